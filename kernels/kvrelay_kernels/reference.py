@@ -1,0 +1,139 @@
+"""Torch reference of the kvrelay kernel ops: it defines what each op means, and is the CPU path.
+
+The KV cache is block-major, `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`
+(ARCHITECTURE.md section 3); a slot is `block_id * block_size + offset`. This module must stay
+free of any engine or model import: it is the bottom layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay_kernels.plan import AttentionPlan, build_plan
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new keys and values into their slots of one layer.
+
+    Args:
+        key, value: `[num_tokens, num_kv_heads, head_dim]`.
+        kv_cache: the block-major cache, written in place.
+        layer: the decoder layer.
+        slot_mapping: `[num_tokens]` int64 slot of each token; negative slots are skipped
+            (padding tokens that own no slot).
+    """
+    block_size = kv_cache.shape[3]
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    kv_cache[blocks, layer, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[blocks, layer, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (every layer, K and V) from `src[i]` to `dst[i]` (copy-on-write)."""
+    if src.numel():
+        kv_cache[dst] = kv_cache[src]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    plan: AttentionPlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flattened batch of query chunks over their paged context.
+
+    Sequence `i` owns query tokens `query_start_loc[i]:query_start_loc[i+1]`; they are the
+    last `q_len` tokens of its `seq_lens[i]` context tokens, whose keys and values (the new
+    ones included) are already in the cache at the blocks `block_tables[i]`. Query heads
+    share KV heads in groups of `num_heads // num_kv_heads` (GQA).
+
+    Args:
+        query: `[num_tokens, num_heads, head_dim]`.
+        kv_cache: the block-major cache (read only).
+        layer: the decoder layer to read.
+        block_tables: `[num_seqs, max_blocks_per_seq]` int block ids (padding ignored).
+        seq_lens: `[num_seqs]` context length of each sequence, new tokens included.
+        query_start_loc: `[num_seqs + 1]` cumulative query offsets.
+        scale: softmax scale, usually `head_dim ** -0.5`.
+        plan: the same metadata pre-digested once per step (`build_plan`); optional.
+        out: `[num_tokens, num_heads, head_dim]` buffer to write into; optional.
+
+    Returns:
+        `[num_tokens, num_heads, head_dim]` attention output.
+    """
+    if plan is None:
+        plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
+    if out is None:
+        out = torch.empty_like(query)
+    keys = kv_cache[:, layer, 0]  # [num_blocks, block_size, kv_heads, head_dim], a strided view
+    values = kv_cache[:, layer, 1]
+    if plan.decode_token_idx is not None:
+        out[plan.decode_token_idx] = _decode_attention(
+            query[plan.decode_token_idx], keys, values, plan, scale
+        )
+    for chunk in plan.prefills:
+        q = query[chunk.q_start : chunk.q_end]
+        k = keys[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
+        v = values[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
+        out[chunk.q_start : chunk.q_end] = _chunk_attention(q, k, v, chunk.context_len, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, all sequences batched in one gather and one SDPA call."""
+    assert plan.decode_block_tables is not None and plan.decode_mask is not None
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    # k, v: [seqs, blocks * block_size, kv_heads, head_dim] -> [seqs, kv_heads, ctx, head_dim]
+    k = keys[plan.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    v = values[plan.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    # The query heads of one KV head become that head's `group` query rows: GQA without
+    # repeating K/V. q: [seqs, kv_heads, group, head_dim]
+    q = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def _chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of one sequence's query chunk (its last `q_len` positions)."""
+    q_len, num_heads, _ = q.shape
+    num_kv_heads = k.shape[1]
+    # [heads, tokens, head_dim]
+    qh = q.transpose(0, 1).to(k.dtype)
+    kh = k.transpose(0, 1)
+    vh = v.transpose(0, 1)
+    gqa = num_heads != num_kv_heads
+    if q_len == context_len:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        first_pos = context_len - q_len
+        rows = torch.arange(q_len).unsqueeze(1) + first_pos
+        mask = torch.arange(context_len).unsqueeze(0) <= rows  # [q_len, context_len]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)

@@ -1,0 +1,1 @@
+"""kvrelay: disaggregated LLM serving."""
