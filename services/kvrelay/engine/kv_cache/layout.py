@@ -1,0 +1,31 @@
+"""The worker's KV tensor: one block-major allocation (ARCHITECTURE.md section 3).
+
+`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`: one block is one contiguous
+region across all layers, so moving n blocks to another worker is at most n copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.config import ModelConfig
+
+
+def kv_block_shape(model: ModelConfig, block_size: int) -> tuple[int, ...]:
+    """Shape of one block: `[num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+    return (model.num_hidden_layers, 2, block_size, model.num_key_value_heads, model.head_dim)
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    count = 1
+    for size in kv_block_shape(model, block_size):
+        count *= size
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_kv_cache(
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A zeroed KV tensor of `num_blocks` blocks."""
+    return torch.zeros((num_blocks, *kv_block_shape(model, block_size)), dtype=dtype)
