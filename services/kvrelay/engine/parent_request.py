@@ -1,0 +1,86 @@
+"""A user's request as the caller sees it: `n` sampled sequences, their text, one output.
+
+The scheduler only knows sequences (`Request`); this groups them back and detokenizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.engine.outputs import CompletionOutput, RequestOutput
+from kvrelay.engine.request import Request
+
+
+@dataclass
+class ParentRequest:
+    """The `n` sequences of one request and what they produced so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        children: Sequence[Request],
+        tokenizer: Tokenizer | None,
+    ) -> ParentRequest:
+        first = children[0]
+        params = first.sampling_params
+        detoks: list[IncrementalDetokenizer | None] = [
+            IncrementalDetokenizer(
+                tokenizer, params.skip_special_tokens, params.stop, first.prompt_token_ids
+            )
+            if tokenizer is not None
+            else None
+            for _ in children
+        ]
+        return cls(request_id, prompt, first.prompt_token_ids, list(children), detoks)
+
+    @property
+    def finished(self) -> bool:
+        return all(child.is_finished for child in self.children)
+
+    def detokenize(self, index: int, token_id: int) -> str | None:
+        """Feed sample `index`'s new token to its detokenizer; returns a matched stop string."""
+        detok = self.detokenizers[index]
+        if detok is None:
+            return None
+        _, stop = detok.add(token_id)
+        return stop
+
+    def output(self) -> RequestOutput:
+        """The cumulative output of every sample so far."""
+        completions = []
+        for index, child in enumerate(self.children):
+            detok = self.detokenizers[index]
+            logprobs = child.output_logprobs if child.sampling_params.logprobs is not None else None
+            cumulative = None
+            if logprobs is not None:
+                cumulative = sum(
+                    lp[tok] for tok, lp in zip(child.output_token_ids, logprobs, strict=False)
+                )
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=detok.text if detok is not None else "",
+                    token_ids=list(child.output_token_ids),
+                    logprobs=logprobs,
+                    cumulative_logprob=cumulative,
+                    finish_reason=child.status.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=self.finished,
+        )

@@ -1,0 +1,117 @@
+"""One sequence's state as it moves through the engine: waiting, running, preempted, finished.
+
+A request with `n` > 1 is run as `n` sequences (see `Engine.add_request`); each is a `Request`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.engine.sampling import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the context length reached
+    FINISHED_ABORTED = 5  # cancelled by the caller
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason of a finished status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence to generate: its prompt, what it produced so far, and how much is cached."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Largest number of tokens (prompt + output) this sequence may reach.
+    max_total_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs first, as in vLLM
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # Top-n logprobs per output token, when sampling_params.logprobs is set.
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Tokens whose K/V are in the cache; reset to 0 by preemption (recompute).
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Tie-breaker that keeps FCFS order stable for equal arrival times.
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens `start:end` of prompt + output, without building the whole list."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    def scheduling_key(self) -> tuple[int, float, int]:
+        """Order of service: priority, then arrival (first come, first served)."""
+        return (self.priority, self.arrival_time, self.arrival_seq)
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last output token caused, if any (EOS, stop token, length)."""
+        params = self.sampling_params
+        num_output = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,133 @@
+"""Turns a scheduled batch into model inputs, runs the forward pass and samples next tokens.
+
+It owns the model, the KV tensor and the sampler; it never decides what to run (the scheduler
+does) nor what a token means for the request (the engine does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
+from kvrelay.engine.scheduler import ScheduledChunk
+from kvrelay.models.inputs import AttentionInputs
+
+
+class CausalLMModel(Protocol):
+    """What the runner needs of a model (kvrelay.models)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token sampled for one chunk that reached the end of its request."""
+
+    token_id: int
+    logprobs: SampleLogprobs | None
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """Flattened model inputs of one step."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionInputs
+    logits_indices: torch.Tensor  # [num_sampled] int64 row of each sampled chunk's last token
+
+
+def build_batch_inputs(
+    chunks: Sequence[ScheduledChunk], block_tables: Sequence[list[int]], block_size: int
+) -> BatchInputs:
+    """Flatten the chunks into token, position, slot and block-table tensors."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    for chunk, table in zip(chunks, block_tables, strict=True):
+        token_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
+        span = range(chunk.start, chunk.end)
+        positions.extend(span)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        seq_lens.append(chunk.end)
+        query_start_loc.append(len(token_ids))
+        if chunk.samples:
+            logits_indices.append(len(token_ids) - 1)
+    width = max(len(t) for t in block_tables)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    attn = AttentionInputs.build(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor(padded, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        block_size=block_size,
+    )
+    return BatchInputs(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        attn=attn,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+    )
+
+
+class ModelRunner:
+    """Runs one step of the model on the worker's KV tensor."""
+
+    def __init__(
+        self, model: CausalLMModel, kv_cache: torch.Tensor, block_size: int, sampler: Sampler
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.sampler = sampler
+
+    @torch.inference_mode()
+    def execute(
+        self, chunks: Sequence[ScheduledChunk], block_tables: Sequence[list[int]]
+    ) -> list[SampledToken | None]:
+        """Compute the chunks' K/V and sample one token for each chunk that ends its request.
+
+        Returns:
+            One entry per chunk: the sampled token, or None for a chunk that stops mid-prompt.
+        """
+        inputs = build_batch_inputs(chunks, block_tables, self.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
+        sampled_chunks = [chunk for chunk in chunks if chunk.samples]
+        if not sampled_chunks:
+            return [None] * len(chunks)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = [
+            SamplingRow(
+                params=c.request.sampling_params,
+                prompt_token_ids=c.request.prompt_token_ids,
+                output_token_ids=c.request.output_token_ids,
+                generator=c.request.generator,
+                eos_token_ids=c.request.eos_token_ids,
+            )
+            for c in sampled_chunks
+        ]
+        result = self.sampler(logits, rows)
+        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        out: list[SampledToken | None] = []
+        for chunk in chunks:
+            if chunk.samples:
+                token_id, logprobs = next(sampled)
+                out.append(SampledToken(token_id, logprobs))
+            else:
+                out.append(None)
+        return out

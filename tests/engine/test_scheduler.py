@@ -1,0 +1,138 @@
+"""Scheduler: token budget, chunked prefill, decodes first, admission order, preemption."""
+
+from __future__ import annotations
+
+from kvrelay.config import SchedulerConfig
+from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+
+
+def make_request(rid: str, prompt_len: int, *, priority: int = 0, arrival: float = 0.0) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(prompt_len)),
+        sampling_params=SamplingParams(max_tokens=100),
+        max_total_tokens=10_000,
+        priority=priority,
+        arrival_time=arrival,
+    )
+
+
+def make_scheduler(budget: int = 64, num_blocks: int = 64, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+        KVCacheManager(num_blocks=num_blocks, block_size=4),
+    )
+
+
+def run_step(s: Scheduler, out: SchedulerOutput) -> None:
+    """What the engine does after the forward pass: commit the KV and append sampled tokens."""
+    s.update_after_step(out.chunks)
+    for chunk in out.chunks:
+        if chunk.samples:
+            chunk.request.output_token_ids.append(7)
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def test_long_prompt_is_chunked_across_steps() -> None:
+    s = make_scheduler(budget=16)
+    s.add(make_request("a", 40))
+    steps = []
+    for _ in range(3):
+        out = s.schedule()
+        steps.append(plan(out))
+        run_step(s, out)
+    assert steps == [[("a", 0, 16)], [("a", 16, 16)], [("a", 32, 8)]]
+    assert s.running[0].output_token_ids == [7]  # only the last chunk samples
+
+
+def test_running_decodes_are_served_before_prefill_chunks() -> None:
+    s = make_scheduler(budget=10)
+    s.add(make_request("old", 30, arrival=0))
+    s.add(make_request("new", 3, arrival=1))
+    out = s.schedule()
+    assert plan(out) == [("old", 0, 10)]
+    run_step(s, out)
+    out = s.schedule()  # "old" keeps prefilling; "new" is admitted with what is left
+    assert plan(out) == [("old", 10, 10)]
+    run_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("old", 20, 10)]
+    run_step(s, out)
+    s.add(make_request("late", 25, arrival=2))
+    out = s.schedule()
+    # "old" now decodes one token and goes first; "new" prefills, then "late" gets the rest.
+    assert plan(out) == [("old", 30, 1), ("new", 0, 3), ("late", 0, 6)]
+
+
+def test_decode_comes_before_an_older_requests_prefill_chunk() -> None:
+    s = make_scheduler(budget=8)
+    s.add(make_request("a", 20, arrival=0))
+    s.add(make_request("b", 2, arrival=1))
+    out = s.schedule()
+    assert plan(out) == [("a", 0, 8)]
+    run_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("a", 8, 8)]
+    run_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("a", 16, 4), ("b", 0, 2)]
+    run_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("a", 20, 1), ("b", 2, 1)]
+
+
+def test_priority_then_arrival_decides_admission() -> None:
+    s = make_scheduler(budget=4, max_seqs=1)
+    s.add(make_request("first", 4, arrival=0))
+    s.add(make_request("urgent", 4, priority=-1, arrival=1))
+    assert plan(s.schedule()) == [("urgent", 0, 4)]
+
+
+def test_max_num_seqs_bounds_the_running_set() -> None:
+    s = make_scheduler(budget=64, max_seqs=2)
+    for i in range(3):
+        s.add(make_request(f"r{i}", 4, arrival=i))
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_preemption_evicts_the_newest_and_resumes_it_by_recompute() -> None:
+    # 4 blocks of 4 tokens: two requests of 8 prompt tokens fill the pool.
+    s = make_scheduler(budget=64, num_blocks=4)
+    s.add(make_request("old", 8, arrival=0))
+    s.add(make_request("new", 8, arrival=1))
+    out = s.schedule()
+    assert plan(out) == [("old", 0, 8), ("new", 0, 8)]
+    run_step(s, out)
+    # Both need a third block for their next token: the newest is preempted.
+    out = s.schedule()
+    assert plan(out) == [("old", 8, 1)]
+    [victim] = out.preempted
+    assert victim.request_id == "new"
+    assert victim.status == RequestStatus.PREEMPTED
+    assert victim.num_computed_tokens == 0
+    assert victim.output_token_ids == [7]  # its output is kept
+    run_step(s, out)
+    # When "old" finishes, "new" recomputes prompt + output (9 tokens) and samples again.
+    s.finish(s.running[0], RequestStatus.FINISHED_LENGTH)
+    out = s.schedule()
+    assert plan(out) == [("new", 0, 9)]
+    assert out.chunks[0].samples
+
+
+def test_finish_frees_blocks() -> None:
+    s = make_scheduler()
+    r = make_request("a", 10)
+    s.add(r)
+    run_step(s, s.schedule())
+    assert s.kv_cache.num_free_blocks < 64
+    s.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache.pool.is_whole()
+    assert s.num_unfinished == 0
