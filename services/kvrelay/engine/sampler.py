@@ -1,0 +1,197 @@
+"""Sampler: one step's logits [S, V] plus each row's SamplingParams -> next token per row.
+
+Batched over rows; per-request seeded generators make a row's tokens independent of its batch.
+Pure library: no I/O, never modifies the logits it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.engine.penalties import (
+    apply_presence_frequency_penalties,
+    apply_repetition_penalty,
+    flatten_token_ids,
+    mask_tokens,
+)
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.engine.sampling_ops import argmax, sample_inverse_cdf, truncation_threshold
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence being sampled this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far by this sequence
+    generator: torch.Generator | None  # per-request seeded CPU RNG (None: the batch RNG)
+    eos_token_ids: tuple[int, ...]  # the model's EOS ids (min_tokens masks them)
+
+
+@dataclass(frozen=True)
+class SampleLogprobs:
+    token_logprob: float  # logprob of the sampled token
+    top: list[tuple[int, float]]  # top-k (token id, logprob), best first; k = params.logprobs
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[SampleLogprobs | None]  # None where params.logprobs is None
+
+
+class Sampler:
+    """Chooses the next token of every row, in this order (vLLM V1's):
+
+    1. logprobs come from the raw logits (log_softmax before any penalty or temperature);
+    2. min_tokens: while fewer than min_tokens were generated, EOS and stop_token_ids -> -inf
+       (EOS even with ignore_eos, as vLLM does);
+    3. repetition penalty over prompt and output tokens;
+    4. presence and frequency penalties over output tokens;
+    5. greedy rows: argmax (lowest index on ties);
+    6. the others: temperature -> top-k -> top-p -> min-p -> one draw.
+
+    A row with a generator draws only from it (one uniform per step), so the same seed gives
+    the same tokens whatever else is in the batch; the other rows share the Sampler's RNG.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self._generator = generator if generator is not None else torch.Generator()
+        if generator is None:
+            self._generator.seed()  # nondeterministic, like torch's default RNG
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        # logits: [S, V], fp32 (other float types are upcast)
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}"
+            )
+        params = [r.params for r in rows]
+        raw_logprobs = self._raw_logprobs(logits, params)
+        min_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not (min_rows or pen_rows or rand_rows):
+            # The hot path: greedy, no penalty: nothing to copy or modify.
+            tokens = argmax(logits.float())
+        else:
+            x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            self._mask_min_tokens(x, rows, min_rows)
+            self._penalise(x, rows, pen_rows)
+            tokens = self._choose(x, rows, rand_rows)
+        token_ids: list[int] = tokens.tolist()
+        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, params, token_ids))
+
+    # --- steps -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _raw_logprobs(
+        logits: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> tuple[list[int], torch.Tensor | None]:
+        idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not idx:
+            return idx, None
+        return idx, logits[idx].float().log_softmax(dim=-1)  # [L, V]
+
+    @staticmethod
+    def _mask_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
+        if not idx:
+            return
+        banned = [(*rows[i].params.stop_token_ids, *rows[i].eos_token_ids) for i in idx]
+        r, t = flatten_token_ids(banned, idx, x.shape[1], x.device)
+        mask_tokens(x, r, t)
+
+    @staticmethod
+    def _penalise(x: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
+        if not idx:
+            return
+        vocab, dev = x.shape[1], x.device
+        rep = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
+        if rep:
+            penalty = torch.ones(x.shape[0], dtype=x.dtype, device=dev)  # [S]
+            penalty[rep] = torch.tensor(
+                [rows[i].params.repetition_penalty for i in rep], dtype=x.dtype, device=dev
+            )
+            seqs = [rows[i].prompt_token_ids for i in rep] + [rows[i].output_token_ids for i in rep]
+            r, t = flatten_token_ids(seqs, rep + rep, vocab, dev)
+            apply_repetition_penalty(x, r, t, penalty)
+        add = [
+            i
+            for i in idx
+            if rows[i].params.presence_penalty != 0.0 or rows[i].params.frequency_penalty != 0.0
+        ]
+        if add:
+            presence = torch.zeros(x.shape[0], dtype=x.dtype, device=dev)  # [S]
+            frequency = torch.zeros_like(presence)  # [S]
+            presence[add] = torch.tensor(
+                [rows[i].params.presence_penalty for i in add], dtype=x.dtype, device=dev
+            )
+            frequency[add] = torch.tensor(
+                [rows[i].params.frequency_penalty for i in add], dtype=x.dtype, device=dev
+            )
+            r, t = flatten_token_ids([rows[i].output_token_ids for i in add], add, vocab, dev)
+            apply_presence_frequency_penalties(x, r, t, presence, frequency)
+
+    def _choose(
+        self, x: torch.Tensor, rows: Sequence[SamplingRow], rand_rows: list[int]
+    ) -> torch.Tensor:
+        # x: [S, V] penalised logits -> [S] int64 token ids
+        if not rand_rows:
+            return argmax(x)
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)  # [S]
+        rand_set = set(rand_rows)
+        greedy_rows = [i for i in range(x.shape[0]) if i not in rand_set]
+        if greedy_rows:
+            tokens[greedy_rows] = argmax(x[greedy_rows]).cpu()
+        tokens[rand_rows] = self._sample(x[rand_rows], [rows[i] for i in rand_rows]).cpu()
+        return tokens
+
+    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        # x: [R, V] penalised logits of the non-greedy rows (a copy: edited in place)
+        vocab, dev = x.shape[1], x.device
+        ps = [r.params for r in rows]
+        temp = torch.tensor([p.temperature for p in ps], dtype=x.dtype, device=dev)  # [R]
+        x.div_(temp[:, None])
+        thresh = None
+        if any(p.uses_top_k or p.uses_top_p or p.uses_min_p for p in ps):
+            top_k = torch.tensor(
+                [min(p.top_k, vocab) if p.uses_top_k else vocab for p in ps], device=dev
+            )  # [R]
+            top_p = torch.tensor([p.top_p for p in ps], dtype=x.dtype, device=dev)  # [R]
+            min_p = torch.tensor([p.min_p for p in ps], dtype=x.dtype, device=dev)  # [R]
+            thresh = truncation_threshold(x, top_k, top_p, min_p)  # [R]
+        probs = x.softmax(dim=-1)  # [R, V]
+        if thresh is not None:
+            probs.mul_(x >= thresh[:, None])
+        return sample_inverse_cdf(probs, self._uniforms(rows).to(dev))
+
+    def _uniforms(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One uniform in [0, 1) per row: seeded rows from their own generator, others shared."""
+        u = torch.rand(len(rows), generator=self._generator)  # [R]
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i] = torch.rand(1, generator=r.generator)[0]
+        return u
+
+
+def _gather_logprobs(
+    raw: tuple[list[int], torch.Tensor | None],
+    params: Sequence[SamplingParams],
+    token_ids: list[int],
+) -> list[SampleLogprobs | None]:
+    out: list[SampleLogprobs | None] = [None] * len(params)
+    idx, lp = raw  # lp: [L, V] raw logprobs of rows idx
+    if lp is None:
+        return out
+    k_max = max(params[i].logprobs or 0 for i in idx)
+    chosen = lp.gather(1, torch.tensor([[token_ids[i]] for i in idx], device=lp.device))  # [L, 1]
+    top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())  # [L, k]
+    for j, i in enumerate(idx):
+        k = params[i].logprobs or 0
+        top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist(), strict=True))
+        out[i] = SampleLogprobs(float(chosen[j, 0]), top)
+    return out

@@ -1,0 +1,170 @@
+"""SamplingParams validation: defaults, every invalid value of every field, valid edge values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrelay.engine.sampling import SamplingParams
+
+
+def test_defaults_are_vllms() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (p.seed, p.max_tokens, p.min_tokens) == (None, 16, 0)
+    assert (p.stop_token_ids, p.stop, p.ignore_eos) == ((), (), False)
+    assert (p.logprobs, p.skip_special_tokens) == (None, True)
+    assert not p.is_greedy
+    assert not (p.uses_top_k or p.uses_top_p or p.uses_min_p or p.has_penalties)
+
+
+INVALID: list[tuple[str, Any, str]] = [
+    ("n", 0, ">= 1"),
+    ("n", -3, ">= 1"),
+    ("n", 1.0, "int"),
+    ("n", True, "int"),
+    ("temperature", -1.0, ">= 0"),
+    ("temperature", -1e-9, ">= 0"),
+    ("temperature", "0.5", "number"),
+    ("temperature", float("nan"), "finite"),
+    ("temperature", float("inf"), "finite"),
+    ("temperature", None, "number"),
+    ("top_p", 0.0, "(0, 1]"),
+    ("top_p", -0.5, "(0, 1]"),
+    ("top_p", 1.0001, "(0, 1]"),
+    ("top_p", float("nan"), "finite"),
+    ("top_k", -2, "-1, 0"),
+    ("top_k", 5.0, "int"),
+    ("top_k", "5", "int"),
+    ("min_p", -0.1, "[0, 1]"),
+    ("min_p", 1.5, "[0, 1]"),
+    ("repetition_penalty", 0.0, "> 0"),
+    ("repetition_penalty", -1.0, "> 0"),
+    ("repetition_penalty", float("inf"), "finite"),
+    ("presence_penalty", -2.01, "[-2, 2]"),
+    ("presence_penalty", 2.5, "[-2, 2]"),
+    ("frequency_penalty", -3.0, "[-2, 2]"),
+    ("frequency_penalty", 2.0001, "[-2, 2]"),
+    ("seed", -1, "seed must be in"),
+    ("seed", 2**64, "seed must be in"),
+    ("seed", 1.5, "int"),
+    ("max_tokens", 0, ">= 1"),
+    ("max_tokens", -5, ">= 1"),
+    ("max_tokens", 3.0, "int"),
+    ("min_tokens", -1, ">= 0"),
+    ("min_tokens", 17, "<= max_tokens"),
+    ("stop_token_ids", [1, -2], "non-negative"),
+    ("stop_token_ids", [1, 2.0], "int"),
+    ("stop_token_ids", [True], "int"),
+    ("stop_token_ids", 5, "list or tuple"),
+    ("stop", [""], "non-empty"),
+    ("stop", ["ok", 3], "non-empty strings"),
+    ("stop", 7, "list or tuple"),
+    ("ignore_eos", 1, "bool"),
+    ("logprobs", -1, "[0, 20]"),
+    ("logprobs", 21, "[0, 20]"),
+    ("logprobs", 2.0, "int"),
+    ("skip_special_tokens", "yes", "bool"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), INVALID)
+def test_invalid_value_raises_naming_field(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    text = str(err.value)
+    assert field in text
+    assert message in text
+
+
+def test_every_field_has_an_invalid_case() -> None:
+    from dataclasses import fields
+
+    assert {f.name for f in fields(SamplingParams)} == {f for f, _, _ in INVALID}
+
+
+VALID_EDGES: list[dict[str, Any]] = [
+    {"temperature": 0},
+    {"temperature": 0.0},
+    {"temperature": 100.0},
+    {"top_p": 1e-9},
+    {"top_p": 1},
+    {"top_k": -1},
+    {"top_k": 0},
+    {"top_k": 1},
+    {"top_k": 10**9},
+    {"min_p": 0.0},
+    {"min_p": 1.0},
+    {"repetition_penalty": 1e-6},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+    {"presence_penalty": 2, "frequency_penalty": -2},
+    {"seed": 0},
+    {"seed": 2**64 - 1},
+    {"max_tokens": None, "min_tokens": 1000},
+    {"max_tokens": 1, "min_tokens": 1},
+    {"stop_token_ids": [0, 5], "stop": ["\n\n", "###"]},
+    {"stop": "END"},
+    {"logprobs": 0},
+    {"logprobs": 20},
+    {"ignore_eos": True, "skip_special_tokens": False},
+]
+
+
+@pytest.mark.parametrize("kwargs", VALID_EDGES)
+def test_valid_edge_values_accepted(kwargs: dict[str, Any]) -> None:
+    SamplingParams(**kwargs)
+
+
+def test_normalisation_and_immutability() -> None:
+    p = SamplingParams(temperature=0, stop_token_ids=[3, 4], stop="END")
+    assert isinstance(p.temperature, float)
+    assert p.stop_token_ids == (3, 4)
+    assert p.stop == ("END",)
+    assert p.is_greedy
+    assert hash(p) == hash(SamplingParams(temperature=0.0, stop_token_ids=(3, 4), stop=["END"]))
+    with pytest.raises(AttributeError):
+        p.temperature = 1.0  # type: ignore[misc]
+
+
+def test_greedy_constructor_and_flags() -> None:
+    g = SamplingParams.greedy(max_tokens=4, seed=1)
+    assert g.is_greedy and g.max_tokens == 4 and g.seed == 1
+    assert SamplingParams(temperature=9e-6).is_greedy
+    assert not SamplingParams(temperature=1e-4).is_greedy
+    assert SamplingParams(top_k=5).uses_top_k and not SamplingParams(top_k=-1).uses_top_k
+    assert SamplingParams(top_p=0.5).uses_top_p
+    assert SamplingParams(min_p=0.1).uses_min_p
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(frequency_penalty=-0.1).has_penalties
+
+
+@given(
+    temperature=st.floats(0.0, 10.0),
+    top_p=st.floats(0.0, 1.0, exclude_min=True),
+    min_p=st.floats(0.0, 1.0),
+    presence=st.floats(-2.0, 2.0),
+    max_tokens=st.integers(1, 4096),
+    data=st.data(),
+)
+def test_any_in_range_combination_is_accepted(
+    temperature: float,
+    top_p: float,
+    min_p: float,
+    presence: float,
+    max_tokens: int,
+    data: st.DataObject,
+) -> None:
+    min_tokens = data.draw(st.integers(0, max_tokens))
+    p = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+    )
+    assert p.min_tokens <= (p.max_tokens or 0)
