@@ -1,0 +1,224 @@
+"""Convert a llama-architecture GGUF file into a plain Hugging Face folder (fp32 safetensors).
+
+Dequantizes every tensor, undoes llama.cpp's q/k row permutation, and writes config.json,
+generation_config.json, model.safetensors and the tokenizer (with its chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from kvrelay.config import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`).
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> None:
+    """Write the HF folder for `gguf_path` into the existing folder `out_dir`.
+
+    Raises:
+        UnsupportedModelError: the GGUF is not a llama-architecture model, or uses a feature
+            this converter does not carry over (RoPE scaling other than linear, rope factors).
+        ValueError: a tensor's name or shape does not fit the metadata.
+    """
+    from gguf import GGUFReader
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = GGUFReader(gguf_path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensor_names = {t.name for t in reader.tensors}
+    config = hf_config_from_gguf(fields, tensor_names)
+    tensors = _convert_tensors(reader, config, progress)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors, reader
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _save_tokenizer(gguf_path, out_dir, fields, config["max_position_embeddings"])
+
+
+def hf_config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The HF `config.json` of a llama GGUF, from its metadata."""
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; the converter handles 'llama' "
+            "(use a Hugging Face safetensors checkpoint instead)"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError(
+            "this GGUF carries llama3 rope factors (rope_freqs.weight), which the converter "
+            "does not map; use the model's Hugging Face safetensors checkpoint instead"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"llama.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks llama.{key}; the file is incomplete")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(fields.get("llama.attention.key_length") or hidden // heads)
+    vocab = int(fields.get("llama.vocab_size") or len(fields["tokenizer.ggml.tokens"]))
+    eos = int(fields["tokenizer.ggml.eos_token_id"])
+    eos_ids = [eos]
+    # A chat turn of the instruct model ends with its eos (<|im_end|>); a document ends with
+    # <|endoftext|>. Stopping on both keeps raw (non-chat) completions from running past it.
+    tokens = fields.get("tokenizer.ggml.tokens") or []
+    if "<|endoftext|>" in tokens and tokens.index("<|endoftext|>") != eos:
+        eos_ids.append(tokens.index("<|endoftext|>"))
+    rope_scaling = None
+    scaling_type = fields.get("llama.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(
+            f"GGUF rope scaling {scaling_type!r} is not supported by the converter (linear only)"
+        )
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    pad = fields.get("tokenizer.ggml.padding_token_id")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(get("context_length")),
+        # GGUF stores these as float32; print them as the short decimal they were written from.
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": int(bos) if bos is not None else None,
+        "eos_token_id": eos_ids,
+        "pad_token_id": int(pad) if pad is not None else eos,
+        "torch_dtype": "float32",
+    }
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp's converter reorders each head's rows from HF's "rotate half" layout (all first
+    halves, then all second halves) to interleaved pairs (its rope kernel rotates adjacent
+    elements): HF row `h*D + i*D/2 + j` becomes GGUF row `h*D + 2*j + i`. This is the inverse.
+    Works for weights `[rows, hidden]` and biases `[rows]`.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    # [heads, D/2 (j), 2 (i), ...] -> [heads, 2 (i), D/2 (j), ...]
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2)
+    return w.reshape(weight.shape).contiguous()
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
+
+    Raises:
+        ValueError: a tensor this converter has no HF name for.
+    """
+    base, _, kind = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
+
+
+def _convert_tensors(
+    reader: Any, config: dict[str, Any], progress: bool
+) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(
+        reader.tensors, desc="converting GGUF tensors", unit="tensor", disable=not progress
+    ):
+        name = hf_tensor_name(tensor.name)
+        # dequantize gives the HF orientation ([out, in]); np.array copies, so the result owns
+        # its memory instead of pointing into the GGUF file's read-only memory map.
+        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32))
+        if ".q_proj." in name:
+            weight = unpermute_rotary(weight, heads)
+        elif ".k_proj." in name:
+            weight = unpermute_rotary(weight, kv_heads)
+        out[name] = weight
+    _check_shapes(out, config)
+    return out
+
+
+def _check_shapes(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    hidden, d = config["hidden_size"], config["head_dim"]
+    expected = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.layers.0.self_attn.q_proj.weight": (config["num_attention_heads"] * d, hidden),
+        "model.layers.0.self_attn.k_proj.weight": (config["num_key_value_heads"] * d, hidden),
+        "model.layers.0.mlp.gate_proj.weight": (config["intermediate_size"], hidden),
+    }
+    for name, shape in expected.items():
+        got = tuple(tensors[name].shape) if name in tensors else None
+        if got != shape:
+            raise ValueError(
+                f"GGUF tensor for {name} has shape {got}, metadata implies {shape}; "
+                "the file is inconsistent"
+            )
+
+
+def _save_tokenizer(
+    gguf_path: Path, out_dir: Path, fields: dict[str, Any], max_length: int
+) -> None:
+    # transformers builds a fast tokenizer from the GGUF vocabulary and merges.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
+    template = fields.get("tokenizer.chat_template")
+    if template and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+    tokenizer.model_max_length = max_length
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _f32(value: float) -> float:
+    return float(str(np.float32(value)))

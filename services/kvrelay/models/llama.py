@@ -1,0 +1,183 @@
+"""The Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM) over kvrelay's paged KV cache.
+
+One forward runs a flattened batch of prefill chunks and decode tokens; attention goes through
+the kernel backend's `write_kv` + `paged_attention`. No weight loading here (see `loader.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvrelay.config import ModelConfig
+from kvrelay.models.inputs import AttentionInputs
+from kvrelay.models.layers import GatedMLP, Linear, RMSNorm, linear
+from kvrelay.models.rope import RotaryEmbedding, apply_rope
+from kvrelay_kernels import AttentionBackend
+
+
+def has_o_proj_bias(config: ModelConfig) -> bool:
+    """HF Llama's `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not."""
+    return config.attention_bias and config.architecture == "LlamaForCausalLM"
+
+
+class Attention(nn.Module):
+    """GQA self-attention with q, k and v fused in one matmul (`qkv_proj`).
+
+    `qkv_proj.weight` is `[(num_heads + 2 * num_kv_heads) * head_dim, hidden]`: HF's q rows,
+    then k rows, then v rows (and the same order for the bias, when the model has one).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=has_o_proj_bias(config)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> torch.Tensor:
+        # x: [T, hidden]; cos, sin: [T, 1, head_dim // 2]
+        num_tokens = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (h + 2 * kvh) * d]
+        # q and k are rotated together (one set of elementwise ops for both); v is a view.
+        qk = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
+        v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)  # [T, kvh, d]
+        qk = apply_rope(qk, cos, sin)  # [T, h + kvh, d], contiguous
+        q, k = qk.split((h, kvh), dim=1)  # [T, h, d], [T, kvh, d]
+        self.backend.write_kv(k, v, kv_cache, self.layer_idx, attn.slot_mapping)
+        out = self.backend.paged_attention(
+            q,
+            kv_cache,
+            self.layer_idx,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            self.scale,
+            plan=attn.plan,
+        )  # [T, h, d]
+        return self.o_proj(out.reshape(num_tokens, h * d))  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then the gated MLP."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> torch.Tensor:
+        # h: [T, hidden], the residual stream; it is owned by the model's forward, so the
+        # residual adds happen in place instead of allocating a new stream twice per layer.
+        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn))
+        h.add_(self.mlp(self.post_attention_layernorm(h)))
+        return h
+
+
+class CausalLM(nn.Module):
+    """A Llama / Qwen2 causal LM over a paged KV cache.
+
+    `forward` returns the final-normed hidden states of every token; the runner picks the rows
+    it samples from and calls `compute_logits` on those only (the vocab matmul is the largest
+    one of a decode step). Use it under `torch.inference_mode()`.
+
+    Parameter names are HF's without the `model.` prefix, except the fused
+    `self_attn.qkv_proj` and `mlp.gate_up_proj`; with tied embeddings there is no `lm_head`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+    ) -> None:
+        """Args:
+        config: the decoder's shape.
+        backend: the kernel ops every attention layer calls.
+        max_positions: size of the RoPE table (the longest context served);
+            `config.max_position_embeddings` when None.
+        """
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            max_positions or config.max_position_embeddings,
+        )
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The block-major cache this model reads and writes (ARCHITECTURE.md section 3)."""
+        c = self.config
+        return (num_blocks, c.num_hidden_layers, 2, block_size, c.num_key_value_heads, c.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> torch.Tensor:
+        """Run one step's tokens through the decoder, writing their K/V into `kv_cache`.
+
+        Args:
+            input_ids: `[T]` int64 token ids, the batch's query chunks back to back.
+            positions: `[T]` int64 position of each token in its sequence.
+            kv_cache: `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`.
+            attn: where the tokens go in the cache and what each attends to.
+
+        Returns:
+            `[T, hidden]` hidden states after the final norm.
+
+        Raises:
+            ValueError: a position is beyond the RoPE table (raise `max_positions`).
+        """
+        if positions.numel() and int(positions.max()) >= self.rotary.max_positions:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the model's RoPE table of "
+                f"{self.rotary.max_positions} positions; cap max_model_len or load the model "
+                "with a larger max_positions"
+            )
+        h = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor owned by this call
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # shared by every layer
+        for layer in self.layers:
+            h = layer(h, cos, sin, kv_cache, attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight).float()

@@ -1,0 +1,152 @@
+"""Load a Hugging Face Llama / Qwen2 checkpoint folder (config.json + safetensors) into `CausalLM`.
+
+Maps HF weight names to the model's, fusing q/k/v and gate/up on the way. Safetensors only:
+this module never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kvrelay.config import ModelConfig
+from kvrelay.models.llama import CausalLM, has_o_proj_bias
+from kvrelay_kernels import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+# Derived from the config, never needed from the checkpoint (older HF exports still save it).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class MissingWeightError(ValueError):
+    """The checkpoint lacks a weight that its config.json says the model has."""
+
+
+def load_model(
+    folder: str | Path,
+    backend: AttentionBackend,
+    dtype: torch.dtype = torch.float32,
+    max_positions: int | None = None,
+) -> tuple[CausalLM, ModelConfig]:
+    """Build the decoder described by `folder/config.json` and load its weights.
+
+    Args:
+        folder: a Hugging Face model folder: config.json and one or many *.safetensors
+            (with model.safetensors.index.json when sharded).
+        backend: the kernel ops the attention layers call.
+        dtype: the dtype of every weight (converted on load).
+        max_positions: size of the RoPE table; `max_position_embeddings` when None. Pass the
+            engine's max_model_len to keep the table small for long-context checkpoints.
+
+    Returns:
+        The model in eval mode, and its config.
+
+    Raises:
+        FileNotFoundError: no config.json or no safetensors file in `folder`.
+        kvrelay.config.UnsupportedModelError: the architecture is not Llama or Qwen2.
+        MissingWeightError: a weight the config implies is absent from the checkpoint.
+        ValueError: the checkpoint holds weights this model has no place for.
+    """
+    folder = Path(folder)
+    config = ModelConfig.from_pretrained(folder)
+    files = safetensors_files(folder)
+    hf_weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        hf_weights.update(load_file(str(path)))
+    state = convert_hf_state_dict(hf_weights, config, dtype, source=str(folder))
+    del hf_weights
+    # Built on the meta device: no memory and no random init for weights that the checkpoint
+    # replaces right away (`assign=True` adopts the loaded tensors as the parameters).
+    with torch.device("meta"):
+        model = CausalLM(config, backend, max_positions)
+    model.load_state_dict(state, strict=True, assign=True)
+    assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
+    model.eval()
+    model.requires_grad_(False)
+    logger.info("loaded %s from %s (%d files)", config.architecture, folder, len(files))
+    return model, config
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's weight files: those named by the index when present, else all of them."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{index} names weight files that are absent: {', '.join(missing)}; "
+                "download the complete checkpoint"
+            )
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors file in {folder}; kvrelay loads safetensors checkpoints only "
+            "(re-save .bin/.pt checkpoints with transformers' "
+            "save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def convert_hf_state_dict(
+    hf: dict[str, torch.Tensor],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    source: str = "checkpoint",
+) -> dict[str, torch.Tensor]:
+    """Map HF names to `CausalLM`'s, fusing q/k/v and gate/up. Consumes `hf` (pops entries,
+    so each original tensor is freed as soon as its fused copy exists)."""
+    for name in [n for n in hf if n.endswith(_IGNORED_SUFFIXES)]:
+        del hf[name]
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return hf.pop(name).to(dtype)
+        except KeyError:
+            raise MissingWeightError(
+                f"{source}: weight {name!r} is missing; the checkpoint does not match its "
+                "config.json (re-download or re-convert it)"
+            ) from None
+
+    state: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight")}
+    for i in range(config.num_hidden_layers):
+        hf_prefix, prefix = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = hf_prefix + "self_attn.", hf_prefix + "mlp."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"{prefix}{norm}.weight"] = take(f"{hf_prefix}{norm}.weight")
+        state[prefix + "self_attn.qkv_proj.weight"] = torch.cat(
+            [take(f"{attn}{p}_proj.weight") for p in "qkv"]
+        )  # [(heads + 2 * kv_heads) * head_dim, hidden]
+        if config.attention_bias:
+            state[prefix + "self_attn.qkv_proj.bias"] = torch.cat(
+                [take(f"{attn}{p}_proj.bias") for p in "qkv"]
+            )
+        state[prefix + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        if has_o_proj_bias(config):
+            state[prefix + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
+        state[prefix + "mlp.gate_up_proj.weight"] = torch.cat(
+            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
+        )  # [2 * intermediate, hidden]
+        state[prefix + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
+    state["norm.weight"] = take("model.norm.weight")
+    if config.tie_word_embeddings:
+        # Some exports save the tied head too; it is the embedding, so drop the copy.
+        hf.pop("lm_head.weight", None)
+    else:
+        state["lm_head.weight"] = take("lm_head.weight")
+    if hf:
+        names = sorted(hf)
+        raise ValueError(
+            f"{source}: {len(names)} weights have no place in a {config.architecture} with this "
+            f"config.json, e.g. {', '.join(names[:5])}; check that config.json (attention_bias, "
+            "num_hidden_layers, architectures) matches the weights"
+        )
+    return state

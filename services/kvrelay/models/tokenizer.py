@@ -1,0 +1,27 @@
+"""Load a model folder's tokenizer with transformers, from local files only (never the Hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The folder's `transformers` tokenizer (a `PreTrainedTokenizerBase`), chat template included.
+
+    Raises:
+        FileNotFoundError: the folder has no tokenizer files.
+    """
+    folder = Path(folder)
+    if (
+        not (folder / "tokenizer.json").is_file()
+        and not (folder / "tokenizer_config.json").is_file()
+    ):
+        raise FileNotFoundError(
+            f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {folder}; a model "
+            "folder needs them (run `kvrelay model pull-default` for the default model)"
+        )
+    # Imported here: transformers takes seconds to import and only tokenizing code needs it.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
