@@ -57,6 +57,7 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
         max_model_len: int = 256,
     ) -> Engine:
         model, model_config = load_model(tiny_llama_dir, select_backend("torch"))
+        model.prepack()  # as EngineArgs.create_engine does
         config = EngineConfig(
             model=str(tiny_llama_dir),
             model_config=model_config,

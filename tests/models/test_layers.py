@@ -37,3 +37,23 @@ def test_apply_rope_matches_rotate_half() -> None:
 def test_unknown_rope_type_says_what_is_supported() -> None:
     with pytest.raises(ValueError, match="llama3"):
         rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_matches_dense(rows: int, bias: bool) -> None:
+    from kvrelay.models.layers import Linear, can_prepack
+
+    layer = Linear(48, 80, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if layer.bias is not None:
+            layer.bias.normal_()
+    x = torch.randn(rows, 48)
+    dense = layer(x)
+    layer.prepack()
+    if not can_prepack(layer.weight):
+        pytest.skip("oneDNN is not available in this torch build")
+    assert layer.packed is not None
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), dense, atol=1e-5, rtol=1e-5)

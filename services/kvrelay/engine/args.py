@@ -110,6 +110,7 @@ class EngineArgs:
         model, _ = load_model(
             path, backend, dtype=getattr(torch, config.dtype), max_positions=config.max_model_len
         )
+        model.prepack()
         return Engine(config, model, load_tokenizer(path))
 
     @classmethod

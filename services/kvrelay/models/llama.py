@@ -11,7 +11,7 @@ from torch import nn
 
 from kvrelay.config import ModelConfig
 from kvrelay.models.inputs import AttentionInputs
-from kvrelay.models.layers import GatedMLP, Linear, RMSNorm, linear
+from kvrelay.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, can_prepack, linear
 from kvrelay.models.rope import RotaryEmbedding, apply_rope
 from kvrelay_kernels import AttentionBackend
 
@@ -130,6 +130,7 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Linear | None = None
+        self.packed_logits: PackedLinear | None = None  # set by prepack() for tied embeddings
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
@@ -177,7 +178,23 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache, attn)
         return self.norm(h)
 
+    def prepack(self) -> None:
+        """Move every matmul weight into oneDNN's fast layout (CPU fp32; no-op elsewhere).
+
+        For inference only. Dense weights stay for single-row steps (see `Linear.prepack`);
+        with tied embeddings the vocab projection gets its own packed copy.
+        """
+        for module in list(self.modules()):  # prepack adds submodules
+            if isinstance(module, Linear):
+                module.prepack()
+        if self.lm_head is None and can_prepack(self.embed_tokens.weight):
+            self.packed_logits = PackedLinear(self.embed_tokens.weight, None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.packed_logits is not None and hidden.shape[0] > 1:
+            return self.packed_logits(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.embed_tokens.weight
         return linear(hidden, weight).float()
