@@ -21,7 +21,7 @@ kvrelay serves LLMs from a paged KV cache with continuous batching.
 examples:
   kvrelay model pull-default            fetch and convert the default model once
   kvrelay generate "The capital of France is" --max-tokens 20
-  kvrelay generate "Tell me a joke" --chat --temperature 0.7 --seed 1
+  kvrelay generate "Tell me a joke" --chat --temperature 0.7 --sampling-seed 1
   kvrelay chat                          talk to the default model, tokens streamed
 """
 
@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from kvrelay.llm import LLM
 
+    params = _sampling_params(ns, n=ns.n)  # bad flags fail before the model loads
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
-    params = _sampling_params(ns, n=ns.n)
     prompts: list[Any] = (
         [llm.chat_prompt([{"role": "user", "content": p}]) for p in ns.prompt]
         if ns.chat
@@ -150,8 +150,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 def _cmd_chat(ns: argparse.Namespace) -> int:
     from kvrelay.llm import LLM
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
     params = _sampling_params(ns)
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
     history: list[dict[str, str]] = []
     if ns.system:
         history.append({"role": "system", "content": ns.system})

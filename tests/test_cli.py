@@ -1,0 +1,65 @@
+"""The `kvrelay` command as a user runs it: help, generate, chat over stdin, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
+
+
+def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*KVRELAY, *args], input=stdin, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_help_explains_every_command() -> None:
+    out = run(["--help"])
+    assert out.returncode == 0
+    for command in ("generate", "chat", "model"):
+        assert command in out.stdout
+    gen = run(["generate", "--help"])
+    assert "--max-num-batched-tokens" in gen.stdout and "token budget" in gen.stdout
+
+
+@pytest.mark.slow
+def test_generate_prints_the_completion(default_model_dir: Path) -> None:
+    out = run(
+        [
+            "generate",
+            "What is the capital of France?",
+            "--chat",
+            "--max-tokens",
+            "12",
+            "--model",
+            str(default_model_dir),
+        ]
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "finish_reason=" in out.stdout
+
+
+@pytest.mark.slow
+def test_chat_streams_replies_and_exits_on_command(default_model_dir: Path) -> None:
+    out = run(
+        ["chat", "--max-tokens", "12", "--model", str(default_model_dir)],
+        stdin="What is the capital of France?\n/exit\n",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "assistant> " in out.stdout
+    assert "Paris" in out.stdout
+
+
+def test_bad_arguments_exit_with_a_clear_message(tmp_path: Path) -> None:
+    out = run(["generate", "hi", "--temperature", "-1", "--model", str(tmp_path)])
+    assert out.returncode == 2
+    assert "kvrelay: error: temperature must be" in out.stderr
+    assert "Traceback" not in out.stderr
+    missing = run(["generate", "hi", "--model", str(tmp_path / "nope")])
+    assert missing.returncode == 2
+    assert "not found" in missing.stderr
