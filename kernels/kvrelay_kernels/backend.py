@@ -42,6 +42,8 @@ class WriteKVFn(Protocol):
         kv_cache: torch.Tensor,
         layer: int,
         slot_mapping: torch.Tensor,
+        *,
+        plan: AttentionPlan | None = None,
     ) -> None: ...
 
 

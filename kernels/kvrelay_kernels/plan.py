@@ -28,10 +28,29 @@ class AttentionPlan:
     `decode_*` are None when the step has no single-token sequence.
     """
 
-    decode_token_idx: torch.Tensor | None  # [num_decodes] int64 query row of each decode
+    # [num_decodes] int64 query row of each decode; None when every row is a decode, in order
+    # (the common all-decode step needs no gather or scatter of queries).
+    decode_token_idx: torch.Tensor | None
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # [num_decodes, 1, 1, context] bool; None when all decodes share one context length.
+    decode_mask: torch.Tensor | None
+    decode_context: int  # keys each decode reads (padded to the longest)
     prefills: tuple[PrefillChunk, ...]
+    # Where `write_kv` puts each new token, split once per step instead of once per layer;
+    # None when the plan was built without a slot mapping.
+    slot_blocks: torch.Tensor | None = None  # [T] int64
+    slot_offsets: torch.Tensor | None = None  # [T] int64
+
+    @property
+    def has_decodes(self) -> bool:
+        return self.decode_block_tables is not None
+
+
+def split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots -> (block ids, offsets), dropping negative (padding) slots' tokens is the caller's
+    job: see `write_kv`."""
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    return blocks, slot_mapping - blocks * block_size
 
 
 def build_plan(
@@ -39,8 +58,15 @@ def build_plan(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     block_size: int,
+    slot_mapping: torch.Tensor | None = None,
 ) -> AttentionPlan:
-    """Digest the step's metadata (see `paged_attention` for the meaning of each argument)."""
+    """Digest the step's metadata (see `paged_attention` for the meaning of each argument).
+
+    With `slot_mapping` (no negative slots), `write_kv` reuses its block / offset split.
+    """
+    slot_blocks = slot_offsets = None
+    if slot_mapping is not None and (slot_mapping.numel() == 0 or int(slot_mapping.min()) >= 0):
+        slot_blocks, slot_offsets = split_slots(slot_mapping.to(torch.int64), block_size)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows: list[int] = []
@@ -56,12 +82,18 @@ def build_plan(
             ids = block_tables[i, :num_blocks].to(torch.int64)
             prefills.append(PrefillChunk(q_start, q_end, context_len, ids))
     if not decode_seqs:
-        return AttentionPlan(None, None, None, tuple(prefills))
+        return AttentionPlan(None, None, None, 0, tuple(prefills), slot_blocks, slot_offsets)
+    dec_lens = [lens[i] for i in decode_seqs]
+    longest = max(dec_lens)
+    max_blocks = -(-longest // block_size)
     seq_idx = torch.tensor(decode_seqs, dtype=torch.int64)
-    dec_lens = seq_lens.to(torch.int64)[seq_idx]
-    max_blocks = -(-int(dec_lens.max()) // block_size)
     tables = block_tables[seq_idx, :max_blocks].to(torch.int64)
-    positions = torch.arange(max_blocks * block_size)
-    mask = (positions.unsqueeze(0) < dec_lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
-    rows = torch.tensor(decode_rows, dtype=torch.int64)
-    return AttentionPlan(rows, tables, mask, tuple(prefills))
+    mask = None
+    if min(dec_lens) != longest:
+        lens_t = torch.tensor(dec_lens, dtype=torch.int64)
+        positions = torch.arange(longest)
+        mask = (positions.unsqueeze(0) < lens_t.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
+    rows = None
+    if decode_rows != list(range(starts[-1])):
+        rows = torch.tensor(decode_rows, dtype=torch.int64)
+    return AttentionPlan(rows, tables, mask, longest, tuple(prefills), slot_blocks, slot_offsets)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrelay_kernels.plan import AttentionPlan, build_plan
+from kvrelay_kernels.plan import AttentionPlan, build_plan, split_slots
 
 
 def write_kv(
@@ -19,6 +19,8 @@ def write_kv(
     kv_cache: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    *,
+    plan: AttentionPlan | None = None,
 ) -> None:
     """Scatter new keys and values into their slots of one layer.
 
@@ -28,13 +30,16 @@ def write_kv(
         layer: the decoder layer.
         slot_mapping: `[num_tokens]` int64 slot of each token; negative slots are skipped
             (padding tokens that own no slot).
+        plan: the step's plan; when it carries the slots' block / offset split (built with
+            the same `slot_mapping`), it is reused instead of recomputed per layer.
     """
-    block_size = kv_cache.shape[3]
-    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
-        keep = slot_mapping >= 0
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - blocks * block_size
+    if plan is not None and plan.slot_blocks is not None and plan.slot_offsets is not None:
+        blocks, offsets = plan.slot_blocks, plan.slot_offsets
+    else:
+        if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+            keep = slot_mapping >= 0
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        blocks, offsets = split_slots(slot_mapping, kv_cache.shape[3])
     kv_cache[blocks, layer, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[blocks, layer, 1, offsets] = value.to(kv_cache.dtype)
 
@@ -80,14 +85,18 @@ def paged_attention(
     """
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
-    if out is None:
-        out = torch.empty_like(query)
     keys = kv_cache[:, layer, 0]  # [num_blocks, block_size, kv_heads, head_dim], a strided view
     values = kv_cache[:, layer, 1]
-    if plan.decode_token_idx is not None:
-        out[plan.decode_token_idx] = _decode_attention(
-            query[plan.decode_token_idx], keys, values, plan, scale
-        )
+    if plan.has_decodes and plan.decode_token_idx is None and out is None:
+        return _decode_attention(query, keys, values, plan, scale)  # an all-decode step
+    if out is None:
+        out = torch.empty_like(query)
+    if plan.has_decodes:
+        rows = plan.decode_token_idx
+        if rows is None:  # every row is a decode, in order: no gather, no scatter
+            out.copy_(_decode_attention(query, keys, values, plan, scale))
+        else:
+            out[rows] = _decode_attention(query[rows], keys, values, plan, scale)
     for chunk in plan.prefills:
         q = query[chunk.q_start : chunk.q_end]
         k = keys.index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
@@ -104,17 +113,18 @@ def _decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence, all sequences batched in one gather and one SDPA call."""
-    assert plan.decode_block_tables is not None and plan.decode_mask is not None
+    assert plan.decode_block_tables is not None
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads
     tables = plan.decode_block_tables
-    context = tables.shape[1] * keys.shape[1]
+    padded = tables.shape[1] * keys.shape[1]
+    context = plan.decode_context
     # index_select on the strided per-layer view is several times faster than advanced
     # indexing. k, v: [seqs, blocks * block_size, kv_heads, head_dim] -> [seqs, kv_heads, ctx, d]
-    k = keys.index_select(0, tables.flatten()).view(num_seqs, context, num_kv_heads, head_dim)
-    v = values.index_select(0, tables.flatten()).view(num_seqs, context, num_kv_heads, head_dim)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    k = keys.index_select(0, tables.flatten()).view(num_seqs, padded, num_kv_heads, head_dim)
+    v = values.index_select(0, tables.flatten()).view(num_seqs, padded, num_kv_heads, head_dim)
+    k, v = k[:, :context].transpose(1, 2), v[:, :context].transpose(1, 2)
     # The query heads of one KV head become that head's `group` query rows: GQA without
     # repeating K/V. q: [seqs, kv_heads, group, head_dim]
     q = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)

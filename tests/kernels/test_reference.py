@@ -105,3 +105,43 @@ def test_backend_selection() -> None:
     assert select_backend("torch").paged_attention is paged_attention
     with pytest.raises(ValueError, match="not available"):
         select_backend("cuda")
+
+
+@pytest.mark.parametrize("seq_lens", [[5, 5, 5], [1, 9, 4], [16]])
+def test_all_decode_steps_take_the_fast_path_and_match(seq_lens: list[int]) -> None:
+    block_size, kv_heads, group, head_dim = 4, 2, 3, 8
+    blocks_each = [-(-n // block_size) for n in seq_lens]
+    kv_cache = torch.randn(sum(blocks_each) + 1, 1, 2, block_size, kv_heads, head_dim)
+    tables, start = [], 1
+    for count in blocks_each:
+        tables.append(list(range(start, start + count)))
+        start += count
+    width = max(blocks_each)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    plan = build_plan(block_tables, lens, qsl, block_size)
+    assert plan.decode_token_idx is None  # rows in order: no gather / scatter
+    assert (plan.decode_mask is None) == (len(set(seq_lens)) == 1)
+    query = torch.randn(len(seq_lens), kv_heads * group, head_dim)
+    out = paged_attention(query, kv_cache, 0, block_tables, lens, qsl, 0.3, plan=plan)
+    expected = naive_attention(query, kv_cache, 0, tables, seq_lens, [1] * len(seq_lens), 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_with_a_plan_reuses_its_slot_split() -> None:
+    kv_cache = torch.zeros(4, 2, 2, 4, 1, 2)
+    slots = torch.tensor([6, 1])
+    plan = build_plan(
+        torch.tensor([[1, 0]], dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+        4,
+        slot_mapping=slots,
+    )
+    assert plan.slot_blocks is not None and plan.slot_blocks.tolist() == [1, 0]
+    key = torch.ones(2, 1, 2)
+    write_kv(key, -key, kv_cache, 1, slots, plan=plan)
+    assert kv_cache[1, 1, 0, 2].tolist() == [[1.0, 1.0]]
+    assert kv_cache[0, 1, 1, 1].tolist() == [[-1.0, -1.0]]
+    assert int((kv_cache != 0).sum()) == 8

@@ -58,7 +58,7 @@ class AttentionInputs:
                 f"slot_mapping must have one slot per query token ({num_tokens}), "
                 f"got {slot_mapping.shape[0]}"
             )
-        plan = build_plan(block_tables, seq_lens, query_start_loc, block_size)
+        plan = build_plan(block_tables, seq_lens, query_start_loc, block_size, slot_mapping)
         return cls(slot_mapping, block_tables, seq_lens, query_start_loc, plan)
 
     @property

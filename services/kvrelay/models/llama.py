@@ -59,7 +59,7 @@ class Attention(nn.Module):
         v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)  # [T, kvh, d]
         qk = apply_rope(qk, cos, sin)  # [T, h + kvh, d], contiguous
         q, k = qk.split((h, kvh), dim=1)  # [T, h, d], [T, kvh, d]
-        self.backend.write_kv(k, v, kv_cache, self.layer_idx, attn.slot_mapping)
+        self.backend.write_kv(k, v, kv_cache, self.layer_idx, attn.slot_mapping, plan=attn.plan)
         out = self.backend.paged_attention(
             q,
             kv_cache,
