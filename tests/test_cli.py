@@ -47,7 +47,7 @@ def test_generate_prints_the_completion(default_model_dir: Path) -> None:
 @pytest.mark.slow
 def test_chat_streams_replies_and_exits_on_command(default_model_dir: Path) -> None:
     out = run(
-        ["chat", "--max-tokens", "12", "--model", str(default_model_dir)],
+        ["chat", "--max-tokens", "12", "--temperature", "0", "--model", str(default_model_dir)],
         stdin="What is the capital of France?\n/exit\n",
     )
     assert out.returncode == 0, out.stderr

@@ -26,7 +26,9 @@ examples:
 """
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+def _add_sampling_args(
+    parser: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+) -> None:
     group = parser.add_argument_group("sampling")
     add = group.add_argument
     add(
@@ -38,8 +40,13 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     add(
         "--min-tokens", type=int, default=0, help="tokens before EOS may end the output (default 0)"
     )
-    add("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    add("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    add(
+        "--temperature",
+        type=float,
+        default=temperature,
+        help=f"0 is greedy (default {temperature})",
+    )
+    add("--top-p", type=float, default=top_p, help=f"nucleus mass in (0, 1] (default {top_p})")
     add("--top-k", type=int, default=0, help="keep the k likeliest tokens, 0 for all (default 0)")
     add(
         "--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one (default 0)"
@@ -110,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "/exit or Ctrl-D to leave.",
     )
     chat.add_argument("--system", default=None, help="a system message to start the chat with")
-    _add_sampling_args(chat, max_tokens=512)
+    # A small model repeats itself under greedy decoding: chat samples by default.
+    _add_sampling_args(chat, max_tokens=512, temperature=0.7, top_p=0.9)
     EngineArgs.add_cli_args(chat)
 
     model = commands.add_parser("model", help="manage models", description="Manage models.")
