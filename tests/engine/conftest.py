@@ -55,13 +55,18 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
         max_num_batched_tokens: int = 64,
         max_num_seqs: int = 16,
         max_model_len: int = 256,
+        enable_prefix_caching: bool = True,
     ) -> Engine:
         model, model_config = load_model(tiny_llama_dir, select_backend("torch"))
         model.prepack()  # as EngineArgs.create_engine does
         config = EngineConfig(
             model=str(tiny_llama_dir),
             model_config=model_config,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
             ),
@@ -102,6 +107,7 @@ def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list
 
 
 def assert_pool_whole(engine: Engine) -> None:
+    """Nothing leaked: every block has reference count 0 (cached-but-free blocks are free)."""
     engine.kv_cache.pool.check_invariants()
     assert engine.kv_cache.pool.is_whole(), "KV blocks leaked"
     assert engine.kv_cache.num_requests() == 0

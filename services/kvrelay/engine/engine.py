@@ -28,7 +28,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's load, for routing and metrics."""
+    """A snapshot of the engine's load, for routing and metrics.
+
+    The prefix-cache fields are cumulative counters (0 with prefix caching off):
+    `prefix_cache_queries` counts the tokens of every admitted sequence (prompt, plus output
+    when a preempted one is recomputed) and `prefix_cache_hits` those of them found cached, as
+    vLLM counts them; `prefix_cache_evictions` counts cached blocks whose content was dropped
+    to reuse the block. `num_cached_blocks` is a gauge: blocks holding cached content now.
+    """
 
     num_running: int
     num_waiting: int
@@ -38,6 +45,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    num_cached_blocks: int = 0
 
 
 class Engine:
@@ -55,7 +66,12 @@ class Engine:
         num_blocks = config.cache.resolve_num_blocks(
             kv_block_bytes(config.model_config, block_size, dtype)
         )
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = KVCacheManager(
+            num_blocks,
+            block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            extra_keys=(config.model,),
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         sampler = Sampler(torch.Generator().manual_seed(config.seed))
         kv_tensor = allocate_kv_cache(config.model_config, num_blocks, block_size, dtype)
@@ -88,6 +104,10 @@ class Engine:
     ) -> None:
         """Queue a request; its `params.n` samples run as separate sequences.
 
+        With prefix caching on, the samples share one prefill: sample 0 computes the prompt,
+        the others fork from it at its first token (copy-on-write of the partial last block).
+        With it off, each sample computes the prompt itself.
+
         Raises:
             ValueError: a duplicate id, an empty prompt, a token outside the vocabulary, or a
                 prompt that does not fit the context length or the KV cache.
@@ -112,7 +132,11 @@ class Engine:
         self._parents[request_id] = parent
         for index, child in enumerate(children):
             self._owner[child.request_id] = (parent, index)
-            self.scheduler.add(child)
+        if self.kv_cache.enable_caching:
+            self.scheduler.add(children[0], forks=children[1:])
+        else:
+            for child in children:
+                self.scheduler.add(child)
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         ids = [int(t) for t in prompt_token_ids]
@@ -160,7 +184,7 @@ class Engine:
             return []
         tables = [self.kv_cache.block_table(c.request.request_id) for c in plan.chunks]
         try:
-            sampled = self.runner.execute(plan.chunks, tables)
+            sampled = self.runner.execute(plan.chunks, tables, plan.copies)
         except Exception:
             # Free what this batch holds so a failure never leaks blocks, then let it surface.
             for chunk in plan.chunks:
@@ -168,10 +192,8 @@ class Engine:
             raise
         self.scheduler.update_after_step(plan.chunks)
         touched: dict[str, ParentRequest] = {}
-        for chunk, token in zip(plan.chunks, sampled, strict=True):
-            if token is None:
-                continue
-            parent = self._append_token(chunk.request, token)
+        for request, token in sampled:
+            parent = self._append_token(request, token)
             touched[parent.request_id] = parent
         return [self._emit(parent) for parent in touched.values()]
 
@@ -210,7 +232,19 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            prefix_cache_queries=self.kv_cache.stats.queries,
+            prefix_cache_hits=self.kv_cache.stats.hits,
+            prefix_cache_evictions=self.kv_cache.pool.num_evictions,
+            num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after new weights are loaded).
+
+        Returns:
+            False, and nothing changed, while any request holds blocks; True otherwise.
+        """
+        return self.kv_cache.reset_prefix_cache()
 
 
 def _sample_generator(params: SamplingParams, index: int) -> torch.Generator | None:

@@ -32,4 +32,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    # "arrival_time" and, once a token exists, "first_token_time" (time.monotonic() seconds,
+    # so TTFT = first_token_time - arrival_time); "num_cached_tokens": prompt tokens found in
+    # the prefix cache at admission.
     metrics: dict[str, float] = field(default_factory=dict)

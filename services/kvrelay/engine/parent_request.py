@@ -83,4 +83,16 @@ class ParentRequest:
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
             finished=self.finished,
+            metrics=self.metrics(),
         )
+
+    def metrics(self) -> dict[str, float]:
+        """Timestamps (time.monotonic() seconds) and cache use so far; see RequestOutput."""
+        metrics = {
+            "arrival_time": min(child.arrival_time for child in self.children),
+            "num_cached_tokens": float(self.children[0].num_cached_tokens),
+        }
+        first = [c.first_token_time for c in self.children if c.first_token_time is not None]
+        if first:
+            metrics["first_token_time"] = min(first)
+        return metrics

@@ -67,6 +67,13 @@ class Request:
     num_preemptions: int = 0
     # Tie-breaker that keeps FCFS order stable for equal arrival times.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    # Chain hashes of the full blocks of prompt + output hashed so far (kv_cache/block_hash.py);
+    # tokens never change, so this only grows.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Tokens found in the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    # time.monotonic() when the first output token was appended.
+    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +102,8 @@ class Request:
         return (self.priority, self.arrival_time, self.arrival_seq)
 
     def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

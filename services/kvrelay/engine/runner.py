@@ -12,13 +12,17 @@ from typing import Protocol
 
 import torch
 
+from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
 from kvrelay.engine.scheduler import ScheduledChunk
 from kvrelay.models.inputs import AttentionInputs
+from kvrelay_kernels import AttentionBackend
 
 
 class CausalLMModel(Protocol):
     """What the runner needs of a model (kvrelay.models)."""
+
+    backend: AttentionBackend  # the kernel ops; the runner uses its copy_blocks
 
     def __call__(
         self,
@@ -33,7 +37,7 @@ class CausalLMModel(Protocol):
 
 @dataclass(frozen=True)
 class SampledToken:
-    """The token sampled for one chunk that reached the end of its request."""
+    """The token sampled for one request whose chunk reached its last token (or a fork's)."""
 
     token_id: int
     logprobs: SampleLogprobs | None
@@ -98,36 +102,49 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: Sequence[ScheduledChunk], block_tables: Sequence[list[int]]
-    ) -> list[SampledToken | None]:
-        """Compute the chunks' K/V and sample one token for each chunk that ends its request.
+        self,
+        chunks: Sequence[ScheduledChunk],
+        block_tables: Sequence[list[int]],
+        copies: Sequence[tuple[int, int]] = (),
+    ) -> list[tuple[Request, SampledToken]]:
+        """Copy the copy-on-write blocks, compute the chunks' K/V, and sample one token for
+        each chunk that ends its request and for each of its forks (same logits row, each
+        with its own generator).
 
         Returns:
-            One entry per chunk: the sampled token, or None for a chunk that stops mid-prompt.
+            (request, token) for every request that sampled, in chunk order, forks after
+            their leader.
         """
+        if copies:
+            # Before the forward pass: it may write into a copy's source (its last owner).
+            src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
+            dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
+            self.model.backend.copy_blocks(self.kv_cache, src, dst)
         inputs = build_batch_inputs(chunks, block_tables, self.block_size)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:
-            return [None] * len(chunks)
+            return []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        requests = [r for c in sampled_chunks for r in (c.request, *c.forks)]
+        if len(requests) > len(sampled_chunks):
+            # logits: [num_sampled_chunks, V] -> [len(requests), V], a leader's row repeated
+            rows_of = [i for i, c in enumerate(sampled_chunks) for _ in range(1 + len(c.forks))]
+            logits = logits[torch.tensor(rows_of, dtype=torch.int64)]
         rows = [
             SamplingRow(
-                params=c.request.sampling_params,
-                prompt_token_ids=c.request.prompt_token_ids,
-                output_token_ids=c.request.output_token_ids,
-                generator=c.request.generator,
-                eos_token_ids=c.request.eos_token_ids,
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                generator=r.generator,
+                eos_token_ids=r.eos_token_ids,
             )
-            for c in sampled_chunks
+            for r in requests
         ]
         result = self.sampler(logits, rows)
-        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
-        out: list[SampledToken | None] = []
-        for chunk in chunks:
-            if chunk.samples:
-                token_id, logprobs = next(sampled)
-                out.append(SampledToken(token_id, logprobs))
-            else:
-                out.append(None)
-        return out
+        return [
+            (request, SampledToken(token_id, logprobs))
+            for request, token_id, logprobs in zip(
+                requests, result.token_ids, result.logprobs, strict=True
+            )
+        ]

@@ -3,12 +3,15 @@
 One token budget per step covers decode tokens and prefill chunks alike. Running requests are
 served first (decodes before prefill chunks), then waiting ones are admitted in priority /
 arrival order. When the KV pool runs out, the newest, lowest-priority running request is
-preempted: its blocks are freed and it is recomputed later (its output is kept).
+preempted: its blocks are freed and it is recomputed later (its output is kept), reusing
+whatever of it the prefix cache still holds. A request admitted with `forks` (the other samples
+of an `n` > 1 request) prefills once; its forks join at its first sampled token, sharing its
+blocks (copy-on-write).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.config import SchedulerConfig
@@ -25,11 +28,17 @@ class ScheduledChunk:
     num_tokens: int
     # True when the chunk reaches the request's last token, so a new token is sampled.
     samples: bool
+    # Sibling samples that sample their first token from this chunk's logits, then join
+    # `running` sharing the request's blocks (only on a sampling chunk).
+    forks: tuple[Request, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+    def of(
+        cls, request: Request, num_tokens: int, forks: tuple[Request, ...] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+        samples = start + num_tokens == request.num_tokens
+        return cls(request, start, num_tokens, samples, forks if samples else ())
 
     @property
     def end(self) -> int:
@@ -42,6 +51,8 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Copy-on-write block copies (src, dst) to perform before the forward pass.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,14 +72,22 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Samples waiting for their leader's first token, by leader request id.
+        self._forks: dict[str, list[Request]] = {}
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        pending = sum(len(forks) for forks in self._forks.values())
+        return len(self.waiting) + len(self.running) + pending
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, forks: Sequence[Request] = ()) -> None:
+        """Queue `request`; `forks` (same prompt and params) will share its prefill."""
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        if forks:
+            for fork in forks:
+                fork.status = RequestStatus.WAITING
+            self._forks[request.request_id] = list(forks)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks. Updates `running` / `waiting`, allocates KV slots."""
@@ -77,6 +96,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.copies = self.kv_cache.take_copies()
         return out
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -87,7 +107,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            for forks in self._forks.values():
+                if request in forks:
+                    forks.remove(request)
         self.kv_cache.free(request.request_id)
+        orphans = self._forks.pop(request.request_id, [])
+        if orphans:
+            # The leader ended before its prefill: the next sample leads the rest.
+            self.add(orphans[0], orphans[1:])
 
     def _chunk_size(self, request: Request, budget: int) -> int:
         size = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -111,7 +139,7 @@ class Scheduler:
                 continue
             if not self._allocate_or_preempt(request, request.num_computed_tokens + size, out):
                 continue
-            out.chunks.append(ScheduledChunk.of(request, size))
+            out.chunks.append(self._chunk(request, size))
             budget -= size
         return budget
 
@@ -120,7 +148,9 @@ class Scheduler:
 
         Returns False when `request` itself was preempted.
         """
-        while not self.kv_cache.allocate_slots(request.request_id, total):
+        while not self.kv_cache.allocate_slots(
+            request.request_id, total, num_computed_tokens=request.num_computed_tokens
+        ):
             victim = max(self.running, key=lambda r: r.scheduling_key())
             scheduled = [c for c in out.chunks if c.request is victim]
             if scheduled:
@@ -146,19 +176,44 @@ class Scheduler:
         for request in sorted(self.waiting, key=lambda r: r.scheduling_key()):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            assert request.num_computed_tokens == 0, "a waiting request holds no KV"
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv_cache.block_size
+            request.num_computed_tokens = num_cached
             size = self._chunk_size(request, budget)
             if not self.kv_cache.allocate_slots(
-                request.request_id, request.num_computed_tokens + size
+                request.request_id, num_cached + size, cached_blocks=cached
             ):
+                request.num_computed_tokens = 0
                 # Strict order: a later request never overtakes one that does not fit yet.
                 return
+            if self.kv_cache.enable_caching:
+                self.kv_cache.stats.queries += request.num_tokens
+                self.kv_cache.stats.hits += num_cached
+            request.num_cached_tokens = num_cached
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk.of(request, size))
+            out.chunks.append(self._chunk(request, size))
             budget -= size
 
+    def _chunk(self, request: Request, size: int) -> ScheduledChunk:
+        forks = self._forks.get(request.request_id, ())
+        return ScheduledChunk.of(request, size, tuple(forks))
+
     def update_after_step(self, chunks: Iterable[ScheduledChunk]) -> None:
-        """Record that the chunks' tokens are now in the KV cache."""
+        """Record that the chunks' tokens are now in the KV cache, cache the blocks they
+        filled, and let the forks of a leader that just sampled join `running`."""
         for chunk in chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if chunk.forks:
+                del self._forks[request.request_id]
+                for fork in chunk.forks:
+                    self.kv_cache.fork(request.request_id, fork.request_id)
+                    fork.num_computed_tokens = request.num_computed_tokens
+                    fork.num_cached_tokens = request.num_cached_tokens
+                    fork.status = RequestStatus.RUNNING
+                    # May exceed max_num_seqs by n - 1: the leader was admitted for all n.
+                    self.running.append(fork)

@@ -1,11 +1,17 @@
-"""Per-request block tables over the block pool: which blocks hold which request's tokens.
+"""Per-request block tables over the block pool: prefix-cache lookup, growth, forks, CoW.
 
 Token `t` of a request lives in block `table[t // block_size]` at offset `t % block_size`.
+Which requests run, and when, is the scheduler's business; this file only keeps the tables.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrelay.engine.kv_cache.block_hash import BlockHash, extend_block_hashes
 from kvrelay.engine.kv_cache.block_pool import BlockPool
+from kvrelay.engine.request import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -13,13 +19,41 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class KVCacheManager:
-    """Grows and frees the block table of each request."""
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache counters, in tokens (vLLM's definitions)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    queries: int = 0  # tokens of every admitted request (prompt + output, when recomputed)
+    hits: int = 0  # of those, tokens found in the cache (not computed again)
+
+
+class KVCacheManager:
+    """Grows, shares and frees the block table of each request.
+
+    With `enable_caching`, every full block a request computed is registered under its chain
+    hash (`block_hash.py`, keyed also by `extra_keys`), and admission reuses the longest cached
+    prefix. The last, partial block is never cached, hence never found by a lookup; it is only
+    shared by `fork`, and copied (copy-on-write) before the next write into it.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = False,
+        extra_keys: Sequence[str] = (),
+    ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.extra_keys = tuple(extra_keys)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
+        # Leading blocks of each table already registered in the cache (or found there).
+        self._num_cached: dict[str, int] = {}
+        # Copy-on-write copies (src, dst) decided since the last `take_copies`, per request.
+        self._copies: dict[str, list[tuple[int, int]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -33,30 +67,124 @@ class KVCacheManager:
         """The request's blocks in token order (empty if it holds none)."""
         return self._tables.get(request_id, [])
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
+    def num_requests(self) -> int:
+        return len(self._tables)
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chain hashes of `request`'s first `num_blocks` full blocks (memoized on it)."""
+        if len(request.block_hashes) < num_blocks:
+            tokens = request.token_ids(0, num_blocks * self.block_size)
+            extend_block_hashes(
+                request.block_hashes, tokens, num_blocks, self.block_size, self.extra_keys
+            )
+        return request.block_hashes[:num_blocks]
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The blocks of the longest cached prefix of `request`'s tokens. Changes nothing.
+
+        The hit stops at a block boundary at most `num_tokens - 1`: at least the last token
+        is computed, so the step has logits to sample from, and no token is ever written into
+        a block found here.
+        """
+        if not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self.block_hashes(request, max_blocks):
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_total_tokens: int,
+        *,
+        num_computed_tokens: int = 0,
+        cached_blocks: Sequence[int] = (),
+    ) -> bool:
         """Make room for the first `num_total_tokens` tokens of a request.
+
+        Args:
+            num_computed_tokens: tokens already in the cache; tokens from here on are written
+                this step, so a shared block they land in is first copied (copy-on-write: a
+                new block replaces it in the table, the copy is queued for `take_copies`).
+            cached_blocks: for a request without blocks, the prefix found by
+                `find_cached_prefix`; they start its table, shared.
 
         Returns:
             True when the request's table now covers `num_total_tokens` tokens; False (and
-            nothing allocated) when the pool has too few free blocks this step.
+            nothing changed) when the pool has too few free blocks this step.
         """
-        table = self._tables.setdefault(request_id, [])
-        missing = blocks_needed(num_total_tokens, self.block_size) - len(table)
-        if missing <= 0:
-            return True
-        new_blocks = self.pool.allocate(missing)
-        if new_blocks is None:
-            if not table:
-                del self._tables[request_id]
+        table = self._tables.get(request_id, [])
+        assert not (table and cached_blocks), "cached blocks are only for a new table"
+        pool = self.pool
+        first_written = num_computed_tokens // self.block_size
+        cow = [i for i in range(first_written, len(table)) if pool.ref_count(table[i]) > 1]
+        have = len(table) + len(cached_blocks)
+        need = max(blocks_needed(num_total_tokens, self.block_size) - have, 0) + len(cow)
+        # A free cached block that is hit leaves the free queue: it cannot be allocated too.
+        free_hits = sum(1 for block_id in cached_blocks if pool.ref_count(block_id) == 0)
+        if need > pool.num_free_blocks - free_hits:
             return False
+        if request_id not in self._tables:
+            self._tables[request_id] = table
+            self._num_cached[request_id] = len(cached_blocks)
+        pool.touch(cached_blocks)
+        table.extend(cached_blocks)
+        new_blocks = pool.allocate(need)
+        assert new_blocks is not None, "free blocks were counted above"
+        for index in cow:
+            src, dst = table[index], new_blocks.pop()
+            assert pool.block_hash(src) is None, "a cached (full) block is never written"
+            table[index] = dst
+            pool.free([src])
+            self._copies.setdefault(request_id, []).append((src, dst))
         table.extend(new_blocks)
         return True
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks in the prefix cache (after a step)."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_cached[rid]
+        if num_full <= done:
+            return
+        table = self._tables[rid]
+        hashes = self.block_hashes(request, num_full)
+        for index in range(done, num_full):
+            self.pool.cache_block(table[index], hashes[index])
+        self._num_cached[rid] = num_full
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` the same blocks as `parent_id`, shared (n > 1 after the prefill)."""
+        assert child_id not in self._tables, f"{child_id} already holds blocks"
+        table = list(self._tables[parent_id])
+        self.pool.share(table)
+        self._tables[child_id] = table
+        self._num_cached[child_id] = self._num_cached[parent_id]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies decided since the last call; the runner performs them
+        before the forward pass that writes into dst."""
+        copies = [pair for pairs in self._copies.values() for pair in pairs]
+        self._copies.clear()
+        return copies
+
     def free(self, request_id: str) -> None:
-        """Release every block of the request (a no-op if it holds none)."""
+        """Release every block of the request (a no-op if it holds none). Full blocks stay
+        cached until their memory is needed."""
         table = self._tables.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        # A copy into a block just released must not run: the block may be reused this step.
+        self._copies.pop(request_id, None)
         if table:
             self.pool.free(table)
 
-    def num_requests(self) -> int:
-        return len(self._tables)
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content. Returns False (nothing changed) while blocks are in use."""
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,70 @@
+"""Content hashes of full KV blocks: the prefix-cache key, stable across processes and hosts.
+
+Part of the contract with the router (prefix-cache affinity): change the encoding only together
+with `HASH_VERSION`. Never uses Python's `hash`, which is randomized per process.
+
+Encoding. The hash of block i of a sequence is SHA-256 over the concatenation of
+
+    parent      32 bytes: the hash of block i - 1, or `ROOT_HASH` for block 0
+    num_tokens  uint32, little-endian
+    tokens      num_tokens x int64, little-endian: the block's token ids in order
+    num_keys    uint32, little-endian
+    keys        per extra key: uint32 little-endian byte length, then its UTF-8 bytes
+
+and the hash is the full 32-byte digest. `ROOT_HASH` = SHA-256(b"kvrelay-prefix-cache-v1").
+Extra keys make blocks of different models (or, later, adapters) distinct; the engine passes
+the model as named in `EngineConfig.model`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+HASH_VERSION = 1
+ROOT_HASH: BlockHash = hashlib.sha256(b"kvrelay-prefix-cache-v1").digest()
+
+
+def hash_block_tokens(
+    parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+) -> BlockHash:
+    """The hash of one full block whose predecessor's hash is `parent` (see the encoding)."""
+    assert len(parent) == 32, "a parent hash is a 32-byte SHA-256 digest"
+    h = hashlib.sha256(parent)
+    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    h.update(struct.pack("<I", len(extra_keys)))
+    for key in extra_keys:
+        raw = key.encode("utf-8")
+        h.update(struct.pack("<I", len(raw)))
+        h.update(raw)
+    return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    num_blocks: int,
+    block_size: int,
+    extra_keys: Sequence[str] = (),
+) -> None:
+    """Append to `hashes` (the chain of `token_ids`' first blocks) until it has `num_blocks`.
+
+    `token_ids` must hold at least `num_blocks * block_size` tokens; existing entries are kept.
+    """
+    assert len(token_ids) >= num_blocks * block_size, "hashing a block that is not full"
+    for index in range(len(hashes), num_blocks):
+        parent = hashes[-1] if hashes else ROOT_HASH
+        block = token_ids[index * block_size : (index + 1) * block_size]
+        hashes.append(hash_block_tokens(parent, block, extra_keys))
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int], block_size: int, extra_keys: Sequence[str] = ()
+) -> list[BlockHash]:
+    """The hashes of every full block of `token_ids` (a trailing partial block has none)."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, len(token_ids) // block_size, block_size, extra_keys)
+    return hashes
