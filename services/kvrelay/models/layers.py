@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay_kernels import cpu_gemv
-
 # Below this many rows `linear` computes `W @ x.T`; measured crossover with `F.linear`.
 SMALL_BATCH_ROWS = 64
 
@@ -79,25 +77,20 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed: PackedLinear | None = None
-        self.single_row_kernel = False
 
     def prepack(self) -> None:
-        """Pick the fastest CPU path per batch size (inference only).
+        """Add a oneDNN-packed copy of the weight for batches of two rows or more.
 
-        Two rows or more use a oneDNN-packed copy of the weight; a single row uses kvrelay's
-        AVX2 gemv kernel on the dense weight (see kvrelay_kernels/cpu/gemv.cpp). Weights take
-        twice the memory, a fair price on CPU for the fastest path at every batch size.
+        For inference only. The dense weight stays for single-row steps, where `linear` is
+        faster: weights take twice the memory, a fair price on CPU for the fastest path at
+        every batch size.
         """
         if can_prepack(self.weight):
             self.packed = PackedLinear(self.weight, self.bias)
-            self.single_row_kernel = self.weight.is_contiguous() and cpu_gemv.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.packed is not None and rows > 1:
+        if self.packed is not None and x.shape[0] > 1:
             return self.packed(x)
-        if self.single_row_kernel and rows == 1:
-            return cpu_gemv.gemv(x.contiguous(), self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -13,7 +13,7 @@ from kvrelay.config import ModelConfig
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, can_prepack, linear
 from kvrelay.models.rope import RotaryEmbedding, apply_rope
-from kvrelay_kernels import AttentionBackend, cpu_gemv
+from kvrelay_kernels import AttentionBackend
 
 
 def has_o_proj_bias(config: ModelConfig) -> bool:
@@ -130,9 +130,8 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Linear | None = None
-        # Set by prepack() for tied embeddings: the vocab projection's fast CPU paths.
+        # Set by prepack() for tied embeddings: the vocab projection's packed copy.
         self.packed_logits: PackedLinear | None = None
-        self.single_row_logits = False
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
@@ -191,14 +190,11 @@ class CausalLM(nn.Module):
                 module.prepack()
         if self.lm_head is None and can_prepack(self.embed_tokens.weight):
             self.packed_logits = PackedLinear(self.embed_tokens.weight, None)
-            self.single_row_logits = cpu_gemv.available()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
         if self.packed_logits is not None and hidden.shape[0] > 1:
             return self.packed_logits(hidden).float()
-        if self.single_row_logits and hidden.shape[0] == 1:
-            return cpu_gemv.gemv(hidden.contiguous(), self.embed_tokens.weight)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight
