@@ -53,7 +53,7 @@ class Attention(nn.Module):
         # x: [T, hidden]; cos, sin: [T, 1, head_dim // 2]
         num_tokens = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (h + 2 * kvh) * d]
+        qkv = self.qkv_proj.forward(x)  # [T, (h + 2 * kvh) * d]
         # q and k are rotated together (one set of elementwise ops for both); v is a view.
         qk = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
         v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)  # [T, kvh, d]
@@ -70,7 +70,7 @@ class Attention(nn.Module):
             self.scale,
             plan=attn.plan,
         )  # [T, h, d]
-        return self.o_proj(out.reshape(num_tokens, h * d))  # [T, hidden]
+        return self.o_proj.forward(out.reshape(num_tokens, h * d))  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -93,8 +93,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # h: [T, hidden], the residual stream; it is owned by the model's forward, so the
         # residual adds happen in place instead of allocating a new stream twice per layer.
-        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn))
-        h.add_(self.mlp(self.post_attention_layernorm(h)))
+        # `.forward` directly: these modules have no hooks, and nn.Module.__call__ cost about
+        # 1 ms of a 29 ms single-stream decode step (eight calls per layer).
+        h.add_(self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, attn))
+        h.add_(self.mlp.forward(self.post_attention_layernorm.forward(h)))
         return h
 
 
@@ -176,7 +178,7 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor owned by this call
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # shared by every layer
         for layer in self.layers:
-            h = layer(h, cos, sin, kv_cache, attn)
+            h = layer.forward(h, cos, sin, kv_cache, attn)
         return self.norm(h)
 
     def prepack(self) -> None:
@@ -194,7 +196,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
         if self.packed_logits is not None and hidden.shape[0] > 1:
-            return self.packed_logits(hidden).float()
+            return self.packed_logits.forward(hidden).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight
