@@ -184,9 +184,22 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
+    # Disaggregation: "both" runs whole requests; "prefill" stops after the first token and
+    # holds the prompt's blocks under a lease for a decode engine; "decode" also accepts
+    # requests whose prompt KV it pulls from a prefill engine.
+    role: str = "both"
+    kv_lease_seconds: float = 30.0
+    engine_id: str | None = None  # a fresh id per engine when None
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _require(
+            self.role in ("both", "prefill", "decode"),
+            f"role must be one of both, prefill, decode, got {self.role!r}",
+        )
+        _require(
+            self.kv_lease_seconds > 0, f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds}"
+        )
         _require(
             self.dtype in ("float32", "bfloat16", "float16"),
             f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}",

@@ -56,6 +56,7 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
         max_num_seqs: int = 16,
         max_model_len: int = 256,
         enable_prefix_caching: bool = True,
+        role: str = "both",
     ) -> Engine:
         model, model_config = load_model(tiny_llama_dir, select_backend("torch"))
         model.prepack()  # as EngineArgs.create_engine does
@@ -71,6 +72,7 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
             ),
             max_model_len=max_model_len,
+            role=role,
         )
         return Engine(config, model, tokenizer=None)
 

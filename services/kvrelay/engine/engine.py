@@ -6,6 +6,8 @@ A pure library: no Ray, gRPC or Kubernetes. Workers wrap it and drive `step` fro
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +17,8 @@ from kvrelay.config import EngineConfig
 from kvrelay.engine.detokenizer import Tokenizer
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager, blocks_needed
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
+from kvrelay.engine.kv_handle import KVHandle, PullPlan
+from kvrelay.engine.leases import LeaseTable
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.request import Request, RequestStatus
@@ -49,6 +53,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
     num_cached_blocks: int = 0
+    # Disaggregation: leases held (prefill role), pulls in flight (decode role), and the
+    # cumulative counts of expired leases and of pulls that fell back to recompute.
+    num_leases: int = 0
+    num_pulling: int = 0
+    kv_leases_expired: int = 0
+    kv_pull_fallbacks: int = 0
 
 
 class Engine:
@@ -81,6 +91,13 @@ class Engine:
         self._owner: dict[str, tuple[ParentRequest, int]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self.role = config.role
+        self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
+        # Nanoseconds since the epoch at start: a restarted engine always has a larger one.
+        self.epoch = time.time_ns()
+        self._leases = LeaseTable()
+        self._pulling: dict[str, tuple[Request, KVHandle]] = {}
+        self._pull_fallbacks = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
             num_blocks,
@@ -92,6 +109,11 @@ class Engine:
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.pool.num_blocks
+
+    @property
+    def kv_tensor(self) -> torch.Tensor:
+        """The block-major KV tensor (what a KV connector registers and reads or writes)."""
+        return self.runner.kv_cache
 
     def add_request(
         self,
@@ -112,8 +134,10 @@ class Engine:
             ValueError: a duplicate id, an empty prompt, a token outside the vocabulary, or a
                 prompt that does not fit the context length or the KV cache.
         """
-        if request_id in self._parents:
+        if request_id in self._parents or request_id in self._leases:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.role == "prefill" and params.n != 1:
+            raise ValueError("a prefill engine takes n = 1; run n > 1 colocated")
         prompt_ids = self._validate_prompt(prompt_token_ids)
         children = [
             Request(
@@ -160,11 +184,14 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its blocks. Returns its final output, or None if unknown."""
+        """Stop a request and free its blocks (a held lease too). Returns its final output, or
+        None if unknown (or only leased)."""
+        self.release_kv(request_id)
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return None
         for child in parent.children:
+            self._pulling.pop(child.request_id, None)
             if not child.is_finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self._owner.pop(child.request_id, None)
@@ -179,6 +206,7 @@ class Engine:
         Returns:
             The cumulative output of every request that produced a token or finished.
         """
+        self.expire_leases()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -212,7 +240,134 @@ class Engine:
             status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(request, status)
+        elif self.role == "prefill":
+            self._hand_off(request, parent)
         return parent
+
+    def _hand_off(self, request: Request, parent: ParentRequest) -> None:
+        """Prefill role: the first token is out; hold the prompt's blocks for a decode engine."""
+        rid = request.request_id
+        self.scheduler.detach(request)
+        request.status = RequestStatus.FINISHED_REMOTE
+        num_tokens = request.num_prompt_tokens
+        table = self.kv_cache.block_table(rid)[
+            : blocks_needed(num_tokens, self.kv_cache.block_size)
+        ]
+        hashes = self.kv_cache.block_hashes(request, num_tokens // self.kv_cache.block_size)
+        parent.kv_handle = KVHandle(
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            request_id=rid,
+            block_ids=tuple(table),
+            num_tokens=num_tokens,
+            block_hashes=tuple(hashes),
+            first_token_id=request.output_token_ids[0],
+        )
+        self._leases.grant(rid, time.monotonic() + self.config.kv_lease_seconds)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Prefill role: free a leased request's blocks (its decode engine has pulled them).
+
+        Returns:
+            False when no lease was held (already released, expired, or never granted).
+        """
+        if not self._leases.release(request_id):
+            return False
+        self.kv_cache.free(request_id)
+        return True
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Free the blocks of every lease past its time; returns their request ids."""
+        expired = self._leases.pop_expired(time.monotonic() if now is None else now)
+        for request_id in expired:
+            logger.warning(
+                "request %s: KV lease expired before a decode engine pulled it", request_id
+            )
+            self.kv_cache.free(request_id)
+        return expired
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        handle: KVHandle,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> PullPlan | None:
+        """Decode role: continue a request whose prompt was prefilled by another engine.
+
+        Blocks for the prompt are allocated here (prefix-cache hits reused); the caller pulls
+        `handle`'s blocks into them by the returned plan, then calls `finish_pull`.
+
+        Returns:
+            The pull plan; or None when no pull is needed or possible (no KV room now, or a
+            handle that does not match the prompt): the request then recomputes its prompt
+            here, and the caller should just release the prefill lease.
+
+        Raises:
+            ValueError: as `add_request`, or `n` > 1.
+        """
+        if params.n != 1:
+            raise ValueError("a prefilled request takes n = 1")
+        self.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority)
+        parent = self._parents[request_id]
+        request = parent.children[0]
+        self.scheduler.waiting.remove(request)  # it joins through finish_pull, or below
+        request.append_output(handle.first_token_id, None)
+        self._generation_tokens += 1
+        parent.detokenize(0, handle.first_token_id)
+        if (status := request.check_stop()) is not None:
+            self.scheduler.finish(request, status)  # nothing left to decode
+            return None
+        reason = self._handle_mismatch(request, handle)
+        cached = [] if reason else self.kv_cache.find_cached_prefix(request)
+        if reason is None and not self.kv_cache.allocate_slots(
+            request_id, handle.num_tokens, cached_blocks=cached
+        ):
+            reason = "no free KV blocks"
+        if reason is not None:
+            self._fall_back(request, reason)
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        self._pulling[request_id] = (request, handle)
+        table = self.kv_cache.block_table(request_id)
+        skip = len(cached)
+        return PullPlan(request_id, handle.block_ids[skip:], tuple(table[skip:]))
+
+    def _handle_mismatch(self, request: Request, handle: KVHandle) -> str | None:
+        """Why `handle` cannot hold this request's prompt KV, or None when it can."""
+        num_tokens = request.num_prompt_tokens
+        if handle.num_tokens != num_tokens:
+            return f"handle holds {handle.num_tokens} tokens, the prompt has {num_tokens}"
+        if len(handle.block_ids) != blocks_needed(num_tokens, self.kv_cache.block_size):
+            return f"handle has {len(handle.block_ids)} blocks for {num_tokens} tokens"
+        expected = self.kv_cache.block_hashes(request, num_tokens // self.kv_cache.block_size)
+        if tuple(expected) != handle.block_hashes:
+            return "block hashes differ (another model, or other tokens)"
+        return None
+
+    def finish_pull(self, request_id: str, ok: bool) -> None:
+        """Decode role: the pull of `request_id`'s plan is over. On success it joins the
+        running batch; on failure it recomputes its prompt here (counted, logged)."""
+        entry = self._pulling.pop(request_id, None)
+        if entry is None:
+            return  # aborted meanwhile
+        request, handle = entry
+        if not ok:
+            self.kv_cache.free(request_id)
+            self._fall_back(request, "the KV transfer failed")
+            return
+        request.num_computed_tokens = handle.num_tokens
+        self.kv_cache.cache_full_blocks(request)
+        self.scheduler.admit_running(request)
+
+    def _fall_back(self, request: Request, reason: str) -> None:
+        logger.warning("request %s: recomputing its prompt: %s", request.request_id, reason)
+        self._pull_fallbacks += 1
+        request.num_computed_tokens = 0
+        self.scheduler.add(request)
 
     def _emit(self, parent: ParentRequest) -> RequestOutput:
         output = parent.output()
@@ -236,6 +391,10 @@ class Engine:
             prefix_cache_hits=self.kv_cache.stats.hits,
             prefix_cache_evictions=self.kv_cache.pool.num_evictions,
             num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
+            num_leases=len(self._leases),
+            num_pulling=len(self._pulling),
+            kv_leases_expired=self._leases.num_expired,
+            kv_pull_fallbacks=self._pull_fallbacks,
         )
 
     def reset_prefix_cache(self) -> bool:

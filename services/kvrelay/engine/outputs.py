@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrelay.engine.kv_handle import KVHandle
+
 
 @dataclass
 class CompletionOutput:
@@ -36,3 +38,6 @@ class RequestOutput:
     # so TTFT = first_token_time - arrival_time); "num_cached_tokens": prompt tokens found in
     # the prefix cache at admission.
     metrics: dict[str, float] = field(default_factory=dict)
+    # Prefill role: where the prompt's KV waits for a decode engine (finished is True then,
+    # with no finish_reason: the request goes on elsewhere).
+    kv_handle: KVHandle | None = None

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.engine.kv_handle import KVHandle
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request
 
@@ -22,6 +23,7 @@ class ParentRequest:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    kv_handle: KVHandle | None = None  # set when a prefill engine hands the request off
 
     @classmethod
     def create(
@@ -84,6 +86,7 @@ class ParentRequest:
             outputs=completions,
             finished=self.finished,
             metrics=self.metrics(),
+            kv_handle=self.kv_handle,
         )
 
     def metrics(self) -> dict[str, float]:

@@ -21,11 +21,13 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
-    FINISHED_LENGTH = 4  # max_tokens or the context length reached
-    FINISHED_ABORTED = 5  # cancelled by the caller
+    WAITING_FOR_KV = 1  # decode role: its prompt's blocks are being pulled from a prefill engine
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 5  # max_tokens or the context length reached
+    FINISHED_ABORTED = 6  # cancelled by the caller
+    FINISHED_REMOTE = 7  # prefill role: first token out, blocks handed to a decode engine
 
     @property
     def is_finished(self) -> bool:

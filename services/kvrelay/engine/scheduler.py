@@ -99,6 +99,15 @@ class Scheduler:
         out.copies = self.kv_cache.take_copies()
         return out
 
+    def detach(self, request: Request) -> None:
+        """Take a running request out of the batch, keeping its blocks (prefill hand-off)."""
+        self.running.remove(request)
+
+    def admit_running(self, request: Request) -> None:
+        """Add a request whose KV is already in the cache (pulled) straight to the batch."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Mark `request` finished, take it out of the queues and free its blocks."""
         assert status.is_finished

@@ -1,0 +1,1 @@
+"""KV connectors: move prefilled KV blocks from a prefill worker to a decode worker."""

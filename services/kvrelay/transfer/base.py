@@ -1,0 +1,66 @@
+"""The KV connector contract (ARCHITECTURE.md section 3): how a decode worker pulls a prefill
+worker's KV blocks. Implementations: NIXL (UCX) and gRPC; both move raw block bytes only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.engine.kv_handle import KVHandle, PullPlan
+
+
+class TransferError(RuntimeError):
+    """A pull failed; the decode engine falls back to recomputing the prompt."""
+
+
+class StalePeerError(TransferError):
+    """The handle names an engine epoch this connector does not know (the peer restarted)."""
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """What a decode worker needs to reach a prefill worker's KV tensor.
+
+    `payload` is backend-specific bytes (NIXL agent metadata and memory descriptors, or a gRPC
+    address); `engine_id` and `epoch` match the engine's `KVHandle`s, so a handle from an
+    earlier life of the peer is refused rather than read with stale descriptors.
+    """
+
+    engine_id: str
+    epoch: int
+    backend: str  # "nixl" | "grpc"
+    payload: bytes
+
+
+class KVConnector(ABC):
+    """One per worker. A prefill worker registers its KV tensor and publishes `metadata()`;
+    a decode worker registers its own, learns peers with `add_peer`, and `pull`s."""
+
+    @abstractmethod
+    def register(self, kv_tensor: torch.Tensor, engine_id: str, epoch: int) -> None:
+        """Make this worker's block-major KV tensor reachable (once, at start)."""
+
+    @abstractmethod
+    def metadata(self) -> PeerMetadata:
+        """What peers need to pull from this worker (after `register`)."""
+
+    @abstractmethod
+    def add_peer(self, peer: PeerMetadata) -> None:
+        """Learn (or re-learn, after a restart: a newer epoch replaces the old) a peer."""
+
+    @abstractmethod
+    def pull(self, handle: KVHandle, plan: PullPlan) -> None:
+        """Copy the peer's `plan.remote_block_ids` into this worker's `plan.local_block_ids`.
+
+        Blocking; returns when every byte has landed.
+
+        Raises:
+            StalePeerError: `handle.engine_id` / `handle.epoch` is not a known peer's.
+            TransferError: the transfer failed or timed out.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release transport resources."""
