@@ -1,7 +1,8 @@
 """Backend selection: which implementation of the kernel ops the engine calls.
 
-`auto` picks the fastest backend this machine can run; only `torch` exists so far (the Triton
-and CUDA backends arrive with the kernels issue and register here).
+`auto` picks the fastest backend this machine can run: `cpu` (kvrelay's C++ decode attention,
+built on first use) where it builds, else `torch`, the reference. The Triton and CUDA backends
+arrive with the kernels issue and register here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from kvrelay_kernels import reference
+from kvrelay_kernels import cpu_backend, reference
 from kvrelay_kernels.plan import AttentionPlan
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,15 @@ class AttentionBackend:
 _TORCH = AttentionBackend(
     "torch", reference.write_kv, reference.paged_attention, reference.copy_blocks
 )
+_CPU = AttentionBackend(
+    "cpu", reference.write_kv, cpu_backend.paged_attention, reference.copy_blocks
+)
+_BACKENDS = {"cpu": _CPU, "torch": _TORCH}
 
 
 def available_backends() -> list[str]:
-    """Names of the backends this machine can run, fastest first."""
-    return ["torch"]
+    """Names of the backends this machine can run, fastest first (may build the CPU kernel)."""
+    return ["cpu", "torch"] if cpu_backend.is_available() else ["torch"]
 
 
 def select_backend(name: str = "auto") -> AttentionBackend:
@@ -85,4 +90,4 @@ def select_backend(name: str = "auto") -> AttentionBackend:
             f"{', '.join(['auto', *choices])}"
         )
     logger.info("attention backend: %s (asked for %s)", chosen, name)
-    return _TORCH
+    return _BACKENDS[chosen]

@@ -36,6 +36,7 @@ class AttentionPlan:
     decode_mask: torch.Tensor | None
     decode_context: int  # keys each decode reads (padded to the longest)
     prefills: tuple[PrefillChunk, ...]
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context of each decode
     # Where `write_kv` puts each new token, split once per step instead of once per layer;
     # None when the plan was built without a slot mapping.
     slot_blocks: torch.Tensor | None = None  # [T] int64
@@ -82,18 +83,20 @@ def build_plan(
             ids = block_tables[i, :num_blocks].to(torch.int64)
             prefills.append(PrefillChunk(q_start, q_end, context_len, ids))
     if not decode_seqs:
-        return AttentionPlan(None, None, None, 0, tuple(prefills), slot_blocks, slot_offsets)
+        return AttentionPlan(None, None, None, 0, tuple(prefills), None, slot_blocks, slot_offsets)
     dec_lens = [lens[i] for i in decode_seqs]
     longest = max(dec_lens)
     max_blocks = -(-longest // block_size)
     seq_idx = torch.tensor(decode_seqs, dtype=torch.int64)
     tables = block_tables[seq_idx, :max_blocks].to(torch.int64)
     mask = None
+    lens_t = torch.tensor(dec_lens, dtype=torch.int64)
     if min(dec_lens) != longest:
-        lens_t = torch.tensor(dec_lens, dtype=torch.int64)
         positions = torch.arange(longest)
         mask = (positions.unsqueeze(0) < lens_t.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
     rows = None
     if decode_rows != list(range(starts[-1])):
         rows = torch.tensor(decode_rows, dtype=torch.int64)
-    return AttentionPlan(rows, tables, mask, longest, tuple(prefills), slot_blocks, slot_offsets)
+    return AttentionPlan(
+        rows, tables, mask, longest, tuple(prefills), lens_t, slot_blocks, slot_offsets
+    )

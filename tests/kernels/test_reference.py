@@ -101,7 +101,7 @@ def test_copy_blocks_copies_every_layer() -> None:
 
 
 def test_backend_selection() -> None:
-    assert select_backend("auto").name == "torch"
+    assert select_backend("auto").name in ("cpu", "torch")
     assert select_backend("torch").paged_attention is paged_attention
     with pytest.raises(ValueError, match="not available"):
         select_backend("cuda")

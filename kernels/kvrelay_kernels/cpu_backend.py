@@ -1,0 +1,101 @@
+"""The `cpu` backend: decode attention by kvrelay's C++ kernel, everything else by the torch
+reference. The kernel is built once on first use (torch cpp_extension, cached by torch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvrelay_kernels import reference
+from kvrelay_kernels.plan import AttentionPlan, build_plan
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc_cpu" / "paged_decode_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled kernel, built on the first call; None where it cannot be built."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _build() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("building kvrelay's CPU attention kernel (once; cached by torch)")
+        return load(
+            name="kvrelay_cpu_attention",
+            sources=[str(_SOURCE)],
+            # fast-math lets GCC vectorize the exps (glibc's libmvec) and the dot reductions;
+            # the kernel avoids infinities, so dropping their guarantees is safe.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler or ninja: serve with the torch reference instead
+        logger.warning("CPU attention kernel unavailable (%s); using the torch reference", exc)
+        return None
+
+
+def is_available() -> bool:
+    return load_extension() is not None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    plan: AttentionPlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same meaning as `reference.paged_attention`; decode rows go through the C++ kernel."""
+    module = load_extension()
+    if plan is None:
+        plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
+    if module is None or query.dtype != torch.float32 or not plan.has_decodes:
+        return reference.paged_attention(
+            query,
+            kv_cache,
+            layer,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            plan=plan,
+            out=out,
+        )
+    assert plan.decode_block_tables is not None and plan.decode_lens is not None
+    rows = plan.decode_token_idx
+    decode_q = query if rows is None else query[rows]
+
+    def decode(q: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = module.paged_decode_attention(
+            q.contiguous(), kv_cache, layer, plan.decode_block_tables, plan.decode_lens, scale
+        )
+        return result
+
+    if rows is None and out is None:
+        return decode(decode_q)  # an all-decode step
+    if out is None:
+        out = torch.empty_like(query)
+    if rows is None:
+        out.copy_(decode(decode_q))
+    else:
+        out[rows] = decode(decode_q)
+    reference.prefill_attention(query, kv_cache, layer, plan, scale, out)
+    return out
