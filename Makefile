@@ -41,3 +41,9 @@ bench: model
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Regenerate the committed protobuf / gRPC Python code (tests/transfer checks it is current).
+.PHONY: proto
+proto: setup
+	$(PY) -m grpc_tools.protoc -I proto --python_out=services --grpc_python_out=services \
+		--pyi_out=services proto/kvrelay/v1/kv_transfer.proto

@@ -1,0 +1,202 @@
+"""The gRPC fallback connector: a decode worker streams a prefill worker's KV block bytes over
+`kvrelay.v1.KVTransfer/PullBlocks` and writes them straight into its own blocks (no pickle)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from kvrelay.engine.kv_handle import KVHandle, PullPlan
+from kvrelay.transfer.base import KVConnector, PeerMetadata, StalePeerError, TransferError
+from kvrelay.transfer.grpc_server import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    KVTransferServicer,
+    start_server,
+)
+from kvrelay.transfer.kv_regions import block_byte_rows, check_block_ids, check_kv_tensor
+from kvrelay.v1 import kv_transfer_pb2 as pb
+from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "grpc"
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass(frozen=True)
+class _Peer:
+    epoch: int
+    address: str
+    channel: grpc.Channel
+    stub: pb_grpc.KVTransferStub
+
+
+class GrpcConnector(KVConnector):
+    """KV connector over gRPC. `register` starts this worker's KVTransfer server (unless
+    `serve=False`, for a worker nobody pulls from).
+
+    Thread safety: `pull` may run on any thread, several at once (one channel per peer, which
+    gRPC shares safely); the server reads blocks on its own thread pool while the engine keeps
+    writing other blocks (leased blocks are not written until released).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        serve: bool = True,
+        max_workers: int = 4,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """`host`/`port`: where the server binds (port 0: ephemeral); `advertise_host`: what
+        peers dial, when it differs from `host` (e.g. the pod IP for a 0.0.0.0 bind);
+        `timeout_s` bounds a pull."""
+        if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 1024}]")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.host, self.port, self.serve = host, port, serve
+        self.advertise_host = advertise_host or host
+        self.timeout_s = timeout_s
+        self._max_workers = max_workers
+        self._chunk_bytes = chunk_bytes
+        self._server: grpc.Server | None = None
+        self._rows: torch.Tensor | None = None  # our KV tensor as [num_blocks, block_bytes]
+        self._rows_np: np.ndarray | None = None  # the same memory, on CPU only
+        self._engine_id = ""
+        self._epoch = 0
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()  # guards _peers
+
+    def register(self, kv_tensor: torch.Tensor, engine_id: str, epoch: int) -> None:
+        if self._rows is not None:
+            raise RuntimeError("register is called once per connector; make a new one")
+        check_kv_tensor(kv_tensor)
+        self._rows = block_byte_rows(kv_tensor)
+        self._rows_np = None if kv_tensor.is_cuda else self._rows.numpy()
+        self._engine_id, self._epoch = engine_id, epoch
+        if self.serve:
+            servicer = KVTransferServicer(kv_tensor, engine_id, epoch, self._chunk_bytes)
+            self._server, self.port = start_server(
+                servicer, self.host, self.port, self._max_workers
+            )
+
+    def metadata(self) -> PeerMetadata:
+        if self._rows is None or self._server is None:
+            raise RuntimeError("metadata needs register() on a serving connector (serve=True)")
+        address = f"{self.advertise_host}:{self.port}"
+        return PeerMetadata(self._engine_id, self._epoch, BACKEND, address.encode())
+
+    def add_peer(self, peer: PeerMetadata) -> None:
+        """Open a channel to the peer's server; a newer epoch replaces the old channel, an older
+        epoch is ignored.
+
+        Raises:
+            ValueError: metadata of another backend, or not a `host:port` address.
+        """
+        if peer.backend != BACKEND:
+            raise ValueError(f"a {peer.backend!r} peer cannot be reached by the gRPC connector")
+        with self._lock:
+            known = self._peers.get(peer.engine_id)
+        if known is not None and known.epoch > peer.epoch:
+            return  # a late message about an older life
+        try:
+            address = peer.payload.decode()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"peer {peer.engine_id}: payload is not an address") from exc
+        if ":" not in address:
+            raise ValueError(f"peer {peer.engine_id}: {address!r} is not host:port")
+        with self._lock:
+            old = self._peers.get(peer.engine_id)
+            if old is not None and (
+                old.epoch > peer.epoch or (old.epoch == peer.epoch and old.address == address)
+            ):
+                return  # a late message about an older life, or one we already know
+            channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            stub = pb_grpc.KVTransferStub(channel)
+            self._peers[peer.engine_id] = _Peer(peer.epoch, address, channel, stub)
+        if old is not None:
+            old.channel.close()
+        logger.info("gRPC peer %s epoch %d at %s", peer.engine_id, peer.epoch, address)
+
+    def pull(self, handle: KVHandle, plan: PullPlan) -> None:
+        rows = self._rows
+        if rows is None:
+            raise RuntimeError("call register(kv_tensor, engine_id, epoch) first")
+        with self._lock:
+            peer = self._peers.get(handle.engine_id)
+        if peer is None or peer.epoch != handle.epoch:
+            known = "unknown" if peer is None else f"at epoch {peer.epoch}"
+            raise StalePeerError(
+                f"handle of {handle.engine_id} epoch {handle.epoch}: that engine is {known} "
+                "here (it restarted, or add_peer was not called); recompute the prompt"
+            )
+        if len(plan.remote_block_ids) != len(plan.local_block_ids):
+            raise TransferError(f"pull plan {plan.request_id!r} does not pair its blocks 1:1")
+        check_block_ids(plan.local_block_ids, rows.shape[0], "local")
+        if not plan.local_block_ids:
+            return
+        request = pb.PullBlocksRequest(
+            engine_id=handle.engine_id,
+            epoch=handle.epoch,
+            request_id=plan.request_id,
+            block_ids=plan.remote_block_ids,
+            block_bytes=rows.shape[1],
+        )
+        what = f"pull of {plan.request_id!r} from {handle.engine_id} at {peer.address}"
+        expected = len(plan.local_block_ids) * rows.shape[1]
+        received = 0
+        try:
+            for chunk in peer.stub.PullBlocks(request, timeout=self.timeout_s):
+                if chunk.offset != received or received + len(chunk.data) > expected:
+                    raise TransferError(f"{what}: bytes out of order at offset {chunk.offset}")
+                self._write(plan.local_block_ids, chunk.offset, chunk.data)
+                received += len(chunk.data)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StalePeerError(f"{what}: {details}; recompute the prompt") from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TransferError(f"{what}: timed out after {self.timeout_s} s") from None
+            raise TransferError(f"{what}: {code.name}: {details}") from None
+        if received != expected:
+            raise TransferError(f"{what}: got {received} of {expected} bytes")
+
+    def close(self) -> None:
+        with self._lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for peer in peers:
+            peer.channel.close()
+        if self._server is not None:
+            self._server.stop(grace=None)
+            self._server = None
+
+    def _write(self, local_block_ids: tuple[int, ...], offset: int, data: bytes) -> None:
+        """Copy `data`, at `offset` of the concatenated pulled blocks, into our blocks."""
+        assert self._rows is not None
+        size = self._rows.shape[1]
+        done = 0
+        while done < len(data):
+            index, within = divmod(offset + done, size)
+            count = min(size - within, len(data) - done)
+            block = local_block_ids[index]
+            if self._rows_np is not None:
+                src = np.frombuffer(data, dtype=np.uint8, count=count, offset=done)
+                self._rows_np[block, within : within + count] = src
+            else:  # a CUDA tensor: stage in a writable buffer (frombuffer needs one)
+                staged = torch.frombuffer(bytearray(data[done : done + count]), dtype=torch.uint8)
+                self._rows[block, within : within + count].copy_(staged)
+            done += count

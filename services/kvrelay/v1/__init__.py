@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC code for kvrelay.v1 (`make proto` regenerates; do not edit)."""
