@@ -20,6 +20,20 @@ class StalePeerError(TransferError):
     """The handle names an engine epoch this connector does not know (the peer restarted)."""
 
 
+def check_peer_epoch(handle: KVHandle, known_epoch: int | None) -> None:
+    """Refuse a handle unless it comes from the life of its engine this connector knows.
+
+    Raises:
+        StalePeerError: the engine is unknown here, or known at another epoch.
+    """
+    if known_epoch is None or known_epoch != handle.epoch:
+        known = "unknown" if known_epoch is None else f"at epoch {known_epoch}"
+        raise StalePeerError(
+            f"handle of {handle.engine_id} epoch {handle.epoch}: that engine is {known} "
+            "here (it restarted, or add_peer was not called); recompute the prompt"
+        )
+
+
 @dataclass(frozen=True)
 class PeerMetadata:
     """What a decode worker needs to reach a prefill worker's KV tensor.

@@ -12,7 +12,13 @@ import numpy as np
 import torch
 
 from kvrelay.engine.kv_handle import KVHandle, PullPlan
-from kvrelay.transfer.base import KVConnector, PeerMetadata, StalePeerError, TransferError
+from kvrelay.transfer.base import (
+    KVConnector,
+    PeerMetadata,
+    StalePeerError,
+    TransferError,
+    check_peer_epoch,
+)
 from kvrelay.transfer.grpc_server import (
     DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
@@ -137,12 +143,8 @@ class GrpcConnector(KVConnector):
             raise RuntimeError("call register(kv_tensor, engine_id, epoch) first")
         with self._lock:
             peer = self._peers.get(handle.engine_id)
-        if peer is None or peer.epoch != handle.epoch:
-            known = "unknown" if peer is None else f"at epoch {peer.epoch}"
-            raise StalePeerError(
-                f"handle of {handle.engine_id} epoch {handle.epoch}: that engine is {known} "
-                "here (it restarted, or add_peer was not called); recompute the prompt"
-            )
+        check_peer_epoch(handle, None if peer is None else peer.epoch)
+        assert peer is not None
         if len(plan.remote_block_ids) != len(plan.local_block_ids):
             raise TransferError(f"pull plan {plan.request_id!r} does not pair its blocks 1:1")
         check_block_ids(plan.local_block_ids, rows.shape[0], "local")

@@ -14,7 +14,12 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kvrelay.engine.kv_handle import KVHandle, PullPlan
-from kvrelay.transfer.base import KVConnector, PeerMetadata, StalePeerError, TransferError
+from kvrelay.transfer.base import (
+    KVConnector,
+    PeerMetadata,
+    TransferError,
+    check_peer_epoch,
+)
 from kvrelay.transfer.kv_regions import block_bytes, check_kv_tensor, check_plan
 from kvrelay.transfer.nixl_api import load_nixl_api
 from kvrelay.transfer.runs import merge_runs
@@ -155,12 +160,8 @@ class NixlConnector(KVConnector):
         local = self._registered()
         with self._lock:
             peer = self._peers.get(handle.engine_id)
-        if peer is None or peer.epoch != handle.epoch:
-            known = "unknown" if peer is None else f"at epoch {peer.epoch}"
-            raise StalePeerError(
-                f"handle of {handle.engine_id} epoch {handle.epoch}: that engine is {known} "
-                "here (it restarted, or add_peer was not called); recompute the prompt"
-            )
+        check_peer_epoch(handle, None if peer is None else peer.epoch)
+        assert peer is not None
         check_plan(plan, peer.region.num_blocks, local.num_blocks)
         runs = merge_runs(plan.remote_block_ids, plan.local_block_ids)
         if not runs:
