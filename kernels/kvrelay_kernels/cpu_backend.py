@@ -17,6 +17,7 @@ from kvrelay_kernels.plan import AttentionPlan, build_plan
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc_cpu" / "paged_decode_attention.cpp"
+_NAME = "kvrelay_cpu_attention"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -33,9 +34,11 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("building kvrelay's CPU attention kernel (once; cached by torch)")
+        if not _is_built():
+            # Said at warning level: the first build takes about 30 s; users should know why.
+            logger.warning("compiling kvrelay's CPU attention kernel (first use only, ~30 s)")
         return load(
-            name="kvrelay_cpu_attention",
+            name=_NAME,
             sources=[str(_SOURCE)],
             # fast-math lets GCC vectorize the exps (glibc's libmvec) and the dot reductions;
             # the kernel avoids infinities, so dropping their guarantees is safe.
@@ -45,6 +48,17 @@ def _build() -> ModuleType | None:
     except Exception as exc:  # no compiler or ninja: serve with the torch reference instead
         logger.warning("CPU attention kernel unavailable (%s); using the torch reference", exc)
         return None
+
+
+def _is_built() -> bool:
+    """Whether torch's extension cache already holds the compiled kernel (best effort)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(_NAME, False))
+    except Exception:
+        return False
+    return (folder / f"{_NAME}.so").is_file()
 
 
 def is_available() -> bool:
