@@ -49,6 +49,8 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
+    role: str = "both"  # "both" | "prefill" | "decode" (disaggregated serving)
+    kv_lease_seconds: float = 30.0  # prefill role: how long a handed-off KV waits for a pull
 
     def resolve_model_path(self) -> Path:
         """The model folder; no model named means the embedded default (pulled once)."""
@@ -92,6 +94,8 @@ class EngineArgs:
             seed=self.seed,
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
+            role=self.role,
+            kv_lease_seconds=self.kv_lease_seconds,
         )
 
     def create_engine(self) -> Engine:
@@ -160,7 +164,7 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
 
 _HELP = {

@@ -1,0 +1,109 @@
+"""EngineWorker: one engine, its KV connector and its loop; a plain class that `pools.py`
+turns into a Ray actor (so it is testable in-process too)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from kvrelay.engine.args import EngineArgs
+from kvrelay.engine.engine import EngineStats
+from kvrelay.engine.kv_handle import KVHandle
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.transfer.base import KVConnector, PeerMetadata
+from kvrelay.transfer.factory import create_connector
+from kvrelay.worker.engine_builder import build_engine
+from kvrelay.worker.engine_loop import EngineLoop
+
+
+class EngineWorker:
+    """A prefill, decode or colocated ("both") worker."""
+
+    def __init__(
+        self,
+        engine_args: EngineArgs | dict[str, Any],
+        role: str = "both",
+        transfer_backend: str = "auto",
+        num_threads: int = 1,
+        connector_options: dict[str, Any] | None = None,
+    ) -> None:
+        args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs(**engine_args)
+        args = dataclasses.replace(args, role=role, num_threads=num_threads)
+        torch.set_num_threads(num_threads)
+        self.role = role
+        self.engine = build_engine(args)
+        self.connector: KVConnector | None = None
+        if role != "both":
+            self.connector = create_connector(transfer_backend, **(connector_options or {}))
+            self.connector.register(self.engine.kv_tensor, self.engine.engine_id, self.engine.epoch)
+        self.loop = EngineLoop(self.engine, self.connector)
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> RequestOutput:
+        """Prefill role: returns once the first token is out, with the `kv_handle` for a decode
+        worker (no handle when the request already finished at its first token)."""
+        last: RequestOutput | None = None
+        async for output in self.loop.outputs(request_id, prompt_token_ids, params):
+            last = output
+        assert last is not None
+        return last
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as they come; with `kv_handle`, the prompt's KV is pulled from
+        its prefill worker (recomputed here if the pull fails). Call it with
+        `num_returns="streaming"` through Ray."""
+        async for output in self.loop.outputs(request_id, prompt_token_ids, params, kv_handle):
+            yield output
+
+    async def generate_final(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
+    ) -> RequestOutput:
+        """`generate`, returning the finished output only."""
+        last: RequestOutput | None = None
+        async for output in self.generate(request_id, prompt_token_ids, params, kv_handle):
+            last = output
+        assert last is not None
+        return last
+
+    async def release_kv(self, request_id: str) -> bool:
+        """Prefill role: free a handed-off request's blocks; False if no lease was held."""
+        return await self.loop.call(lambda engine: engine.release_kv(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
+
+    async def stats(self) -> EngineStats:
+        return await self.loop.call(lambda engine: engine.stats())
+
+    def kv_metadata(self) -> PeerMetadata:
+        if self.connector is None:
+            raise RuntimeError("a colocated worker has no KV connector")
+        return self.connector.metadata()
+
+    def add_peer(self, meta: PeerMetadata) -> None:
+        if self.connector is None:
+            raise RuntimeError("a colocated worker has no KV connector")
+        self.connector.add_peer(meta)
+
+    def health(self) -> bool:
+        return self.loop.is_alive()
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+        if self.connector is not None:
+            self.connector.close()

@@ -1,0 +1,244 @@
+"""EngineLoop: one thread drives an Engine; asyncio callers send it commands and await outputs.
+
+The Engine is not thread-safe: only the loop thread touches it. Commands (add, abort,
+finish_pull, any `call`) queue up and run between steps; with nothing to run the thread
+blocks on the queue. Decode-side KV pulls run on a small thread pool, never on the loop thread,
+and report back with a `finish_pull` command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
+
+from kvrelay.engine.engine import Engine
+from kvrelay.engine.kv_handle import KVHandle, PullPlan
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.transfer.base import KVConnector, TransferError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Command = Callable[[], None]
+_Item = RequestOutput | BaseException
+
+
+class _Stream:
+    """One request's outputs, handed from the loop thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    def put(self, item: _Item) -> None:
+        # RuntimeError: the caller's loop is closed, nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    """Owns `engine` (and its thread) from construction until `shutdown`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        connector: KVConnector | None = None,
+        *,
+        idle_wait_s: float = 0.2,
+        pull_threads: int = 2,
+    ) -> None:
+        self.engine = engine
+        self.connector = connector
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.Queue[Command | None] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._pulls = concurrent.futures.ThreadPoolExecutor(
+            max_workers=pull_threads, thread_name_prefix="kv-pull"
+        )
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (any thread; the async ones from an event loop) --
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, command: Command) -> None:
+        if self._stopping:
+            raise RuntimeError("the engine loop is shut down")
+        self._commands.put(command)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the loop thread, between steps; its result or exception."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self.submit(command)
+        return await asyncio.wrap_future(future)
+
+    async def outputs(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request (a prefilled one, pulled from `kv_handle`'s worker, when given) and
+        yield its cumulative outputs up to the finished one. Leaving early aborts it."""
+        stream = _Stream(asyncio.get_running_loop())
+        prompt = list(prompt_token_ids)
+        self.submit(lambda: self._add(request_id, prompt, params, kv_handle, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the loop has dropped it already
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and not self._stopping:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (a held lease too); its stream gets the final
+        output."""
+        self.submit(lambda: self._abort(request_id))
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+        self._pulls.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop thread's side --
+
+    def _add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        handle: KVHandle | None,
+        stream: _Stream,
+    ) -> None:
+        if request_id in self._streams:
+            stream.put(ValueError(f"request {request_id!r} is already running here"))
+            return
+        plan: PullPlan | None = None
+        try:
+            if handle is None:
+                self.engine.add_request(request_id, prompt, params)
+            else:
+                plan = self.engine.add_prefilled_request(request_id, prompt, params, handle)
+        except Exception as exc:
+            stream.put(exc)
+            return
+        self._streams[request_id] = stream
+        if handle is not None and plan is not None:
+            self._pulls.submit(self._pull, handle, plan)
+
+    def _pull(self, handle: KVHandle, plan: PullPlan) -> None:
+        """On a pull thread: fetch the blocks, then let the loop thread finish the pull."""
+        ok = False
+        try:
+            if self.connector is None:
+                raise TransferError("this worker has no KV connector")
+            self.connector.pull(handle, plan)
+            ok = True
+        except TransferError as exc:
+            logger.warning("request %s: KV pull failed: %s", plan.request_id, exc)
+        except Exception:
+            logger.exception("request %s: KV pull failed", plan.request_id)
+        if not self._stopping:
+            self.submit(lambda: self.engine.finish_pull(plan.request_id, ok))
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(output if output is not None else RuntimeError(f"{request_id} aborted"))
+
+    def _has_work(self) -> bool:
+        scheduler = self.engine.scheduler
+        return bool(scheduler.running or scheduler.waiting)
+
+    def _run(self) -> None:
+        idle_steps = 0
+        while True:
+            if self._has_work():
+                # Waiting requests that cannot be scheduled now: back off a little.
+                timeout: float | None = 0.005 if idle_steps else None
+            else:
+                timeout = self.idle_wait_s
+            if not self._drain(timeout):
+                break
+            if self._has_work():
+                idle_steps = 0 if self._step() else idle_steps + 1
+            else:
+                idle_steps = 0
+                self.engine.expire_leases()
+        for stream in self._streams.values():
+            stream.put(RuntimeError("the engine loop is shut down"))
+        self._streams.clear()
+
+    def _drain(self, timeout: float | None) -> bool:
+        """Run queued commands, first waiting up to `timeout` (None: not at all) for one.
+        False once shutdown is asked."""
+        try:
+            if timeout:
+                command = self._commands.get(timeout=timeout)
+            else:
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is None:
+                return False
+            try:
+                command()
+            except Exception:
+                logger.exception("engine loop command failed")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _step(self) -> bool:
+        """One engine step, outputs delivered; False when nothing could run (back off)."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing every request here")
+            for request_id, failed in list(self._streams.items()):
+                self.engine.abort(request_id)
+                failed.put(exc)
+            self._streams.clear()
+            return False
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+        # A prefill chunk yields no output but is progress: only an empty running set (waiting
+        # requests that do not fit yet) is a reason to back off.
+        return bool(outputs) or bool(self.engine.scheduler.running)

@@ -1,0 +1,142 @@
+"""Pools: prefill and decode EngineWorker actors on Ray, and a request's way through them
+(prefill -> KV pull by the decode worker -> decode -> release of the prefill lease)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from kvrelay.engine.args import EngineArgs
+from kvrelay.engine.engine import EngineStats
+from kvrelay.engine.kv_handle import KVHandle
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.worker.actor import EngineWorker
+
+logger = logging.getLogger(__name__)
+
+
+class Pools:
+    """Worker actors by role; build with `Pools.start`."""
+
+    def __init__(
+        self,
+        prefill: list[Any],
+        decode: list[Any],
+        colocated: list[Any],
+        owns_ray: bool,
+    ) -> None:
+        self.prefill_workers = prefill
+        self.decode_workers = decode
+        self.colocated_workers = colocated
+        self._owns_ray = owns_ray
+        self._next_prefill = itertools.cycle(prefill) if prefill else None
+        self._next_decode = itertools.cycle(decode) if decode else None
+        self._next_colocated = itertools.cycle(colocated) if colocated else None
+
+    @property
+    def workers(self) -> list[Any]:
+        return [*self.prefill_workers, *self.decode_workers, *self.colocated_workers]
+
+    @classmethod
+    def start(
+        cls,
+        model: str | None,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        colocated: bool = False,
+        transfer_backend: str = "auto",
+        engine_kwargs: dict[str, Any] | None = None,
+        address: str | None = None,
+        num_cpus_per_worker: float = 0,
+        num_threads: int = 1,
+    ) -> Pools:
+        """Start Ray (unless it is up; `address` joins an existing cluster), the workers, and
+        introduce every decode worker to every prefill worker. `colocated` starts
+        `num_decode` "both" workers and no prefill pool."""
+        import ray
+
+        owns_ray = False
+        if not ray.is_initialized():
+            if address is None:
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+            else:
+                ray.init(address=address)
+            owns_ray = True
+        args = dataclasses.asdict(EngineArgs.from_kwargs(model, dict(engine_kwargs or {})))
+        actor = ray.remote(num_cpus=num_cpus_per_worker)(EngineWorker)
+
+        def spawn(role: str) -> Any:
+            return actor.remote(args, role, transfer_backend, num_threads)
+
+        if colocated:
+            pools = cls([], [], [spawn("both") for _ in range(num_decode)], owns_ray)
+        else:
+            prefill = [spawn("prefill") for _ in range(num_prefill)]
+            decode = [spawn("decode") for _ in range(num_decode)]
+            metas = ray.get([worker.kv_metadata.remote() for worker in prefill])
+            ray.get([d.add_peer.remote(meta) for d in decode for meta in metas])
+            pools = cls(prefill, decode, [], owns_ray)
+        ray.get([worker.health.remote() for worker in pools.workers])
+        return pools
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """One request, whole; its finished output."""
+        rid = request_id or uuid.uuid4().hex
+        prompt = list(prompt_token_ids)
+        if self._next_colocated is not None:
+            worker = next(self._next_colocated)
+            return await worker.generate_final.remote(rid, prompt, params)
+        assert self._next_prefill is not None and self._next_decode is not None
+        prefill, decode = next(self._next_prefill), next(self._next_decode)
+        first: RequestOutput = await prefill.prefill.remote(rid, prompt, params)
+        if first.kv_handle is None:
+            return first  # finished at its first token
+        try:
+            return await self._decode(decode, rid, prompt, params, first.kv_handle)
+        finally:
+            try:
+                await prefill.release_kv.remote(rid)
+            except Exception:
+                logger.warning("request %s: could not release its prefill KV lease", rid)
+
+    @staticmethod
+    async def _decode(
+        worker: Any, rid: str, prompt: list[int], params: SamplingParams, handle: KVHandle
+    ) -> RequestOutput:
+        last: RequestOutput | None = None
+        stream = worker.generate.options(num_returns="streaming").remote(
+            rid, prompt, params, handle
+        )
+        async for ref in stream:
+            last = await ref
+        assert last is not None
+        return last
+
+    def stats(self) -> list[EngineStats]:
+        import ray
+
+        return ray.get([worker.stats.remote() for worker in self.workers])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            try:
+                ray.get(worker.shutdown.remote(), timeout=30)
+            except Exception:
+                logger.warning("a worker did not shut down cleanly")
+            ray.kill(worker)
+        self.prefill_workers, self.decode_workers, self.colocated_workers = [], [], []
+        if self._owns_ray:
+            ray.shutdown()
