@@ -21,7 +21,7 @@ from kvrelay.transfer.base import (
     check_peer_epoch,
 )
 from kvrelay.transfer.kv_regions import block_bytes, check_kv_tensor, check_plan
-from kvrelay.transfer.nixl_api import load_nixl_api
+from kvrelay.transfer.nixl_api import create_agent, load_nixl_api
 from kvrelay.transfer.runs import merge_runs
 from kvrelay.v1 import kv_transfer_pb2 as pb
 
@@ -87,7 +87,7 @@ class NixlConnector(KVConnector):
             num_threads=self._num_threads,
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self._agent = api.nixl_agent(self._agent_name, config)
+        self._agent = create_agent(api, self._agent_name, config)
         mem_type = "VRAM" if kv_tensor.is_cuda else "DRAM"
         device_id = (kv_tensor.device.index or 0) if kv_tensor.is_cuda else 0
         size = kv_tensor.numel() * kv_tensor.element_size()
