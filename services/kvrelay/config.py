@@ -189,6 +189,9 @@ class EngineConfig:
     # requests whose prompt KV it pulls from a prefill engine.
     role: str = "both"
     kv_lease_seconds: float = 30.0
+    # Decode role, when a prompt's KV cannot be used (failed pull, mismatched handle, no free
+    # blocks): "recompute" the prompt here, or "fail" the request so the caller can retry.
+    kv_transfer_failure: str = "recompute"
     engine_id: str | None = None  # a fresh id per engine when None
 
     def __post_init__(self) -> None:
@@ -199,6 +202,10 @@ class EngineConfig:
         )
         _require(
             self.kv_lease_seconds > 0, f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds}"
+        )
+        _require(
+            self.kv_transfer_failure in ("recompute", "fail"),
+            f"kv_transfer_failure must be one of recompute, fail, got {self.kv_transfer_failure!r}",
         )
         _require(
             self.dtype in ("float32", "bfloat16", "float16"),

@@ -57,6 +57,7 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
         max_model_len: int = 256,
         enable_prefix_caching: bool = True,
         role: str = "both",
+        kv_transfer_failure: str = "recompute",
     ) -> Engine:
         model, model_config = load_model(tiny_llama_dir, select_backend("torch"))
         model.prepack()  # as EngineArgs.create_engine does
@@ -73,6 +74,7 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
             ),
             max_model_len=max_model_len,
             role=role,
+            kv_transfer_failure=kv_transfer_failure,
         )
         return Engine(config, model, tokenizer=None)
 

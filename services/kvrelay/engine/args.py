@@ -51,6 +51,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     role: str = "both"  # "both" | "prefill" | "decode" (disaggregated serving)
     kv_lease_seconds: float = 30.0  # prefill role: how long a handed-off KV waits for a pull
+    kv_transfer_failure: str = "recompute"  # decode role: "recompute" | "fail" an unusable KV
 
     def resolve_model_path(self) -> Path:
         """The model folder; no model named means the embedded default (pulled once)."""
@@ -96,6 +97,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             role=self.role,
             kv_lease_seconds=self.kv_lease_seconds,
+            kv_transfer_failure=self.kv_transfer_failure,
         )
 
     def create_engine(self) -> Engine:

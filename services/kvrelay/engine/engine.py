@@ -59,6 +59,8 @@ class EngineStats:
     num_pulling: int = 0
     kv_leases_expired: int = 0
     kv_pull_fallbacks: int = 0
+    # Requests failed instead of recomputed (kv_transfer_failure="fail"), cumulative.
+    kv_transfer_failures: int = 0
 
 
 class Engine:
@@ -98,6 +100,10 @@ class Engine:
         self._leases = LeaseTable()
         self._pulling: dict[str, tuple[Request, KVHandle]] = {}
         self._pull_fallbacks = 0
+        self._transfer_failures = 0
+        # Outputs of requests failed outside `step` (no batch emits them): the caller takes
+        # them with `pop_failed_outputs`.
+        self._failed_outputs: list[RequestOutput] = []
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
             num_blocks,
@@ -364,10 +370,31 @@ class Engine:
         self.scheduler.admit_running(request)
 
     def _fall_back(self, request: Request, reason: str) -> None:
+        if self.config.kv_transfer_failure == "fail":
+            self._fail_transfer(request, reason)
+            return
         logger.warning("request %s: recomputing its prompt: %s", request.request_id, reason)
         self._pull_fallbacks += 1
         request.num_computed_tokens = 0
         self.scheduler.add(request)
+
+    def _fail_transfer(self, request: Request, reason: str) -> None:
+        """kv_transfer_failure="fail": finish the request aborted, with why in stop_reason,
+        rather than spend prefill compute here; its output waits in `pop_failed_outputs`."""
+        logger.warning("request %s: KV transfer failed, failing it: %s", request.request_id, reason)
+        self._transfer_failures += 1
+        request.stop_reason = (
+            f"KV transfer failed: {reason}; retry, or set kv_transfer_failure=recompute"
+        )
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)  # frees every block
+        parent, _ = self._owner[request.request_id]
+        self._failed_outputs.append(self._emit(parent))
+
+    def pop_failed_outputs(self) -> list[RequestOutput]:
+        """The final outputs of requests failed by kv_transfer_failure="fail" since the last
+        call (`add_prefilled_request` and `finish_pull` emit nothing themselves)."""
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed
 
     def _emit(self, parent: ParentRequest) -> RequestOutput:
         output = parent.output()
@@ -395,6 +422,7 @@ class Engine:
             num_pulling=len(self._pulling),
             kv_leases_expired=self._leases.num_expired,
             kv_pull_fallbacks=self._pull_fallbacks,
+            kv_transfer_failures=self._transfer_failures,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -154,6 +154,7 @@ class EngineLoop:
         self._streams[request_id] = stream
         if handle is not None and plan is not None:
             self._pulls.submit(self._pull, handle, plan)
+        self._deliver_failed()
 
     def _pull(self, handle: KVHandle, plan: PullPlan) -> None:
         """On a pull thread: fetch the blocks, then let the loop thread finish the pull."""
@@ -168,7 +169,19 @@ class EngineLoop:
         except Exception:
             logger.exception("request %s: KV pull failed", plan.request_id)
         if not self._stopping:
-            self.submit(lambda: self.engine.finish_pull(plan.request_id, ok))
+            self.submit(lambda: self._finish_pull(plan.request_id, ok))
+
+    def _finish_pull(self, request_id: str, ok: bool) -> None:
+        self.engine.finish_pull(request_id, ok)
+        self._deliver_failed()
+
+    def _deliver_failed(self) -> None:
+        """Requests failed by kv_transfer_failure="fail" finish outside `step`: hand their
+        final outputs to their streams here, or the callers would wait forever."""
+        for output in self.engine.pop_failed_outputs():
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                stream.put(output)
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)

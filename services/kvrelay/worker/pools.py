@@ -30,11 +30,16 @@ class Pools:
         decode: list[Any],
         colocated: list[Any],
         owns_ray: bool,
+        kv_transfer_failure: str = "recompute",
     ) -> None:
         self.prefill_workers = prefill
         self.decode_workers = decode
         self.colocated_workers = colocated
         self._owns_ray = owns_ray
+        self.kv_transfer_failure = kv_transfer_failure
+        # Requests decoded again from scratch because their prefill lease was gone when the
+        # pull ended (the pulled blocks may have been reused by then).
+        self.num_lease_recomputes = 0
         self._next_prefill = itertools.cycle(prefill) if prefill else None
         self._next_decode = itertools.cycle(decode) if decode else None
         self._next_colocated = itertools.cycle(colocated) if colocated else None
@@ -68,20 +73,22 @@ class Pools:
             else:
                 ray.init(address=address)
             owns_ray = True
-        args = dataclasses.asdict(EngineArgs.from_kwargs(model, dict(engine_kwargs or {})))
+        engine_args = EngineArgs.from_kwargs(model, dict(engine_kwargs or {}))
+        policy = engine_args.kv_transfer_failure
+        args = dataclasses.asdict(engine_args)
         actor = ray.remote(num_cpus=num_cpus_per_worker)(EngineWorker)
 
         def spawn(role: str) -> Any:
             return actor.remote(args, role, transfer_backend, num_threads)
 
         if colocated:
-            pools = cls([], [], [spawn("both") for _ in range(num_decode)], owns_ray)
+            pools = cls([], [], [spawn("both") for _ in range(num_decode)], owns_ray, policy)
         else:
             prefill = [spawn("prefill") for _ in range(num_prefill)]
             decode = [spawn("decode") for _ in range(num_decode)]
             metas = ray.get([worker.kv_metadata.remote() for worker in prefill])
             ray.get([d.add_peer.remote(meta) for d in decode for meta in metas])
-            pools = cls(prefill, decode, [], owns_ray)
+            pools = cls(prefill, decode, [], owns_ray, policy)
         ray.get([worker.health.remote() for worker in pools.workers])
         return pools
 
@@ -102,26 +109,65 @@ class Pools:
         first: RequestOutput = await prefill.prefill.remote(rid, prompt, params)
         if first.kv_handle is None:
             return first  # finished at its first token
-        try:
-            return await self._decode(decode, rid, prompt, params, first.kv_handle)
-        finally:
-            try:
-                await prefill.release_kv.remote(rid)
-            except Exception:
-                logger.warning("request %s: could not release its prefill KV lease", rid)
-
-    @staticmethod
-    async def _decode(
-        worker: Any, rid: str, prompt: list[int], params: SamplingParams, handle: KVHandle
-    ) -> RequestOutput:
+        handle = first.kv_handle
         last: RequestOutput | None = None
-        stream = worker.generate.options(num_returns="streaming").remote(
-            rid, prompt, params, handle
-        )
-        async for ref in stream:
-            last = await ref
+        lease_held: bool | None = None  # None: not asked yet, or the prefill worker is gone
+        released = False
+        try:
+            stream = decode.generate.options(num_returns="streaming").remote(
+                rid, prompt, params, handle
+            )
+            async for ref in stream:
+                last = await ref
+                if not released:
+                    # The first output comes after the pull ended: a lease still held now was
+                    # held through the whole pull, so the pulled blocks were the prompt's.
+                    released = True
+                    lease_held = await self._release(prefill, rid)
+                    if lease_held is False:
+                        break
+        finally:
+            if not released:
+                await self._release(prefill, rid)
+        if lease_held is False:
+            return await self._lease_lost(decode, rid, prompt, params, handle, last)
         assert last is not None
         return last
+
+    async def _release(self, prefill: Any, rid: str) -> bool | None:
+        """Release `rid`'s prefill lease: whether it was still held; None when the prefill
+        worker could not be reached (a dead one cannot reuse the blocks either)."""
+        try:
+            held: bool = await prefill.release_kv.remote(rid)
+            return held
+        except Exception:
+            logger.warning("request %s: could not release its prefill KV lease", rid)
+            return None
+
+    async def _lease_lost(
+        self,
+        decode: Any,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        handle: KVHandle,
+        last: RequestOutput | None,
+    ) -> RequestOutput:
+        """The prefill lease ended (expired) before the pull did: what was pulled may be
+        another request's KV. Stop that decode, then recompute the prompt, or fail."""
+        if last is None or not last.finished:
+            await decode.abort.remote(rid)
+        await decode.forget_kv.remote(handle)  # the pulled blocks may be cached: drop them
+        reason = f"request {rid}: the prefill KV lease expired before the decode worker pulled it"
+        if self.kv_transfer_failure == "fail":
+            raise RuntimeError(
+                f"KV transfer failed: {reason}; retry, raise kv_lease_seconds, "
+                "or set kv_transfer_failure=recompute"
+            )
+        logger.warning("%s; recomputing its prompt on the decode worker", reason)
+        self.num_lease_recomputes += 1
+        output: RequestOutput = await decode.generate_final.remote(rid, prompt, params)
+        return output
 
     def stats(self) -> list[EngineStats]:
         import ray

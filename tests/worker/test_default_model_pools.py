@@ -1,0 +1,66 @@
+"""The real default model through a prefill and a decode worker over NIXL: greedy outputs of
+concurrent prompts equal transformers' own greedy generate, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.worker.pools import Pools
+from tests.worker.test_faults import assert_whole
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "clockmaker who",
+]
+NEW_TOKENS = 16
+
+
+def test_default_model_disaggregated_equals_transformers(
+    worker_ray: None, default_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    pools = Pools.start(
+        str(default_model_dir),
+        transfer_backend="nixl",
+        engine_kwargs={"num_blocks": 64, "block_size": 16, "max_model_len": 512},
+    )
+    try:
+        # min_tokens = max_tokens masks EOS exactly as HF's min_new_tokens does.
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+
+        async def main() -> list[list[int]]:
+            outs = await asyncio.gather(*(pools.generate(p, params) for p in prompts))
+            return [out.outputs[0].token_ids for out in outs]
+
+        results = asyncio.run(main())
+        decode_stats = pools.stats()[1]
+        assert decode_stats.kv_pull_fallbacks == 0 and decode_stats.kv_transfer_failures == 0
+        assert pools.num_lease_recomputes == 0
+        assert_whole(pools.workers)
+    finally:
+        pools.shutdown()
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    for text, ids, result in zip(PROMPTS, prompts, results, strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        assert result == ref[0, len(ids) :].tolist(), text
