@@ -163,3 +163,16 @@ def test_abort_while_pulling_frees_everything(pair: tuple[Engine, Engine]) -> No
 def test_prefill_engine_rejects_n_above_one(make_engine: EngineFactory) -> None:
     with pytest.raises(ValueError, match="n = 1"):
         make_engine(role="prefill").add_request("a", [5, 6], SamplingParams(n=2))
+
+
+def test_cached_block_hashes_summarize_the_prefix_cache(make_engine: EngineFactory) -> None:
+    from kvrelay.engine.kv_cache.block_hash import hash_token_blocks
+
+    engine = make_engine()
+    assert engine.cached_block_hashes() == []
+    prompt = list(range(5, 14))  # 9 tokens: two full blocks of 4, then a partial one
+    engine.add_request("a", prompt, greedy(1))
+    run_to_completion(engine)
+    expected = hash_token_blocks(prompt, 4, (engine.config.model,))
+    assert len(expected) == 2
+    assert sorted(engine.cached_block_hashes()) == sorted(expected)

@@ -1,5 +1,5 @@
-"""The real default model through a prefill and a decode worker over NIXL: greedy outputs of
-concurrent prompts equal transformers' own greedy generate, token for token."""
+"""The real default model through a prefill and a decode worker over NIXL and over gRPC:
+greedy outputs of concurrent prompts equal transformers' own greedy generate, token for token."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ PROMPTS = [
 NEW_TOKENS = 16
 
 
+@pytest.mark.parametrize("backend", ["nixl", "grpc"])
 def test_default_model_disaggregated_equals_transformers(
-    worker_ray: None, default_model_dir: Path
+    worker_ray: None, default_model_dir: Path, backend: str
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -33,7 +34,7 @@ def test_default_model_disaggregated_equals_transformers(
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     pools = Pools.start(
         str(default_model_dir),
-        transfer_backend="nixl",
+        transfer_backend=backend,
         engine_kwargs={"num_blocks": 64, "block_size": 16, "max_model_len": 512},
     )
     try:

@@ -6,6 +6,7 @@ the surviving workers' pools are whole and hold no lease."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,13 +106,29 @@ def test_lease_expired_and_blocks_reused_before_the_pull(
     assert_whole(pools.workers)
 
 
-def wait_until_dead(worker: Any) -> None:
+def worker_pid(worker: Any) -> int:
+    return int(ray.get(worker.__ray_call__.remote(lambda _self: os.getpid())))
+
+
+def process_gone(pid: int) -> bool:
+    """True once the process has exited (a zombie has released its memory too)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "zombie" in status
+
+
+def wait_until_dead(worker: Any, pid: int) -> None:
+    """ray.kill returns at once, and Ray may call the actor dead while its process still
+    holds its memory (readable by a same-host UCX transfer): wait for both."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             ray.get(worker.health.remote(), timeout=5)
         except ray.exceptions.RayActorError:
-            return
+            if process_gone(pid):
+                return
         time.sleep(0.05)
     raise AssertionError("the killed worker is still alive")
 
@@ -125,8 +142,9 @@ def test_prefill_worker_killed_before_the_pull(
         prefill, decode = pools.prefill_workers[0], pools.decode_workers[0]
         first = ray.get(prefill.prefill.remote("k", PROMPT, greedy(6)))
         assert first.kv_handle is not None
+        pid = worker_pid(prefill)
         ray.kill(prefill, no_restart=True)
-        wait_until_dead(prefill)  # ray.kill returns at once; the process dies later
+        wait_until_dead(prefill, pid)
         out = ray.get(decode.generate_final.remote("k", PROMPT, greedy(6), first.kv_handle))
         after = stats(decode)
         sample = out.outputs[0]

@@ -425,6 +425,11 @@ class Engine:
             kv_transfer_failures=self._transfer_failures,
         )
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """Chain hashes of the full blocks this engine holds in its prefix cache: what a
+        router's cache-aware index learns from each worker (block_hash.py)."""
+        return self.kv_cache.pool.cached_hashes()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights are loaded).
 

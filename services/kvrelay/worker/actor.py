@@ -108,6 +108,10 @@ class EngineWorker:
     async def stats(self) -> EngineStats:
         return await self.loop.call(lambda engine: engine.stats())
 
+    async def cached_block_hashes(self) -> list[bytes]:
+        """The prefix-cache summary a router indexes: hashes of the full blocks cached here."""
+        return await self.loop.call(lambda engine: engine.cached_block_hashes())
+
     def kv_metadata(self) -> PeerMetadata:
         if self.connector is None:
             raise RuntimeError("a colocated worker has no KV connector")

@@ -70,6 +70,10 @@ class BlockPool:
         """The free queue from head (next allocated) to tail; for tests and debugging."""
         return iter(self._free)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """The hashes of every block holding cached content now (in use or free)."""
+        return list(self._cached)
+
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash`'s content, or None. Changes nothing."""
         return self._cached.get(block_hash)
