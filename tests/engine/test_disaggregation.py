@@ -176,3 +176,18 @@ def test_cached_block_hashes_summarize_the_prefix_cache(make_engine: EngineFacto
     expected = hash_token_blocks(prompt, 4, (engine.config.model,))
     assert len(expected) == 2
     assert sorted(engine.cached_block_hashes()) == sorted(expected)
+
+
+def test_forgotten_blocks_are_never_hit_again(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    prompt = list(range(5, 14))
+    engine.add_request("a", prompt, greedy(1))
+    run_to_completion(engine)
+    cached = engine.cached_block_hashes()
+    assert engine.forget_cached_blocks([*cached, b"\0" * 32]) == 2  # the unknown one: not cached
+    assert engine.cached_block_hashes() == []
+    hits_before = engine.stats().prefix_cache_hits
+    engine.add_request("b", prompt, greedy(1))
+    run_to_completion(engine)
+    assert engine.stats().prefix_cache_hits == hits_before  # recomputed, not read from the cache
+    assert_pool_whole(engine)

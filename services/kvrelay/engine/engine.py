@@ -430,6 +430,12 @@ class Engine:
         router's cache-aware index learns from each worker (block_hash.py)."""
         return self.kv_cache.pool.cached_hashes()
 
+    def forget_cached_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Drop these hashes from the prefix cache (content that may be wrong, e.g. pulled
+        from a lease that ended early), so no later lookup hits them. Returns how many were
+        cached. Requests using those blocks keep them."""
+        return sum(self.kv_cache.pool.uncache(block_hash) for block_hash in block_hashes)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights are loaded).
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.engine import Engine, EngineStats
+from kvrelay.engine.engine import EngineStats
 from kvrelay.engine.kv_handle import KVHandle
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
@@ -89,18 +89,8 @@ class EngineWorker:
         lease that ended early may have cached another prompt's KV under these hashes), so a
         recompute does not hit them. Returns how many were dropped."""
 
-        def forget(engine: Engine) -> int:
-            pool = engine.kv_cache.pool
-            dropped = 0
-            for block_hash in handle.block_hashes:
-                block_id = pool.lookup(block_hash)
-                if block_id is not None:
-                    # Only the hash goes: a request using the block now keeps it.
-                    pool._evict(block_id)
-                    dropped += 1
-            return dropped
-
-        return await self.loop.call(forget)
+        hashes = handle.block_hashes
+        return await self.loop.call(lambda engine: engine.forget_cached_blocks(hashes))
 
     async def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)

@@ -150,6 +150,18 @@ class BlockPool:
         self._hashes = [None] * self.num_blocks
         return True
 
+    def uncache(self, block_hash: BlockHash) -> bool:
+        """Drop one hash from the cache (its block, in use or free, keeps its place).
+
+        Returns:
+            False when the hash was not cached.
+        """
+        block_id = self._cached.get(block_hash)
+        if block_id is None:
+            return False
+        self._evict(block_id)
+        return True
+
     def _evict(self, block_id: int) -> None:
         block_hash = self._hashes[block_id]
         if block_hash is not None:
