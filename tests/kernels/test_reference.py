@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrelay_kernels import build_plan, copy_blocks, paged_attention, select_backend, write_kv
+from tests.kernels.paged_batch import make_paged_batch
 
 
 def naive_attention(
@@ -53,20 +54,17 @@ def test_paged_attention_matches_the_loop(
     seq_lens = data.draw(st.lists(st.integers(1, 40), min_size=num_seqs, max_size=num_seqs))
     # Each sequence is a decode (1 query), a chunk of its tail, or a whole prompt.
     q_lens = [data.draw(st.integers(1, n)) for n in seq_lens]
-    blocks_each = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_each) + 3
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    kv_cache = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, generator=gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for count in blocks_each:
-        tables.append(perm[start : start + count])
-        start += count
-    width = max(blocks_each)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    query = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    batch = make_paged_batch(
+        seq_lens,
+        q_lens,
+        block_size,
+        kv_heads,
+        group,
+        head_dim,
+        seed=data.draw(st.integers(0, 2**16)),
+    )
+    query, kv_cache, block_tables = batch.query, batch.kv_cache, batch.block_tables
+    lens, qsl, tables = batch.seq_lens, batch.query_start_loc, batch.tables
     scale = head_dim**-0.5
 
     out = paged_attention(query, kv_cache, 1, block_tables, lens, qsl, scale)
