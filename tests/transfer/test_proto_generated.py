@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GENERATED = ("kv_transfer_pb2.py", "kv_transfer_pb2.pyi", "kv_transfer_pb2_grpc.py")
+PROTOS = ("kv_transfer", "generation")
+GENERATED = [
+    f"{proto}{suffix}" for proto in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+]
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
@@ -24,7 +27,7 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
             f"--python_out={tmp_path}",
             f"--grpc_python_out={tmp_path}",
             f"--pyi_out={tmp_path}",
-            str(REPO_ROOT / "proto/kvrelay/v1/kv_transfer.proto"),
+            *(str(REPO_ROOT / f"proto/kvrelay/v1/{proto}.proto") for proto in PROTOS),
         ],
         check=True,
     )
