@@ -99,6 +99,7 @@ def test_decode_pulls_only_blocks_missing_from_its_prefix_cache(
     assert plan.remote_block_ids == handles["a"].block_ids[3:]  # the 3 shared blocks are local
     copy_blocks(pre, dec, plan)
     dec.finish_pull("a", ok=True)
+    assert dec.stats().kv_bytes_pulled == len(plan.local_block_ids) * dec.kv_block_bytes
     pre.release_kv("a")
     decode_all(dec)
     assert_pool_whole(dec)
@@ -191,3 +192,41 @@ def test_forgotten_blocks_are_never_hit_again(make_engine: EngineFactory) -> Non
     run_to_completion(engine)
     assert engine.stats().prefix_cache_hits == hits_before  # recomputed, not read from the cache
     assert_pool_whole(engine)
+
+
+@pytest.mark.parametrize("pulled", [True, False], ids=["pulled", "recomputed"])
+def test_logprobs_survive_the_hand_off(
+    pair: tuple[Engine, Engine], make_engine: EngineFactory, pulled: bool
+) -> None:
+    """One logprobs entry per output token on the decode side, the first one the prefill's,
+    whether the KV was pulled or recomputed after a failed pull."""
+    pre, dec = pair
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=2)
+    prompt = [5, 9, 14, 3, 22, 7, 11]
+    handle = prefill(pre, {"a": prompt}, params)["a"]
+    assert handle.first_token_logprobs is not None
+    plan = dec.add_prefilled_request("a", prompt, params, handle)
+    assert plan is not None
+    if pulled:
+        copy_blocks(pre, dec, plan)
+    dec.finish_pull("a", ok=pulled)
+    pre.release_kv("a")
+    sample = decode_all(dec)["a"].outputs[0]
+    colocated = make_engine()
+    colocated.add_request("a", prompt, params)
+    expected = next(out for out in colocated_outputs(colocated) if out.finished).outputs[0]
+    assert sample.token_ids == expected.token_ids
+    assert sample.logprobs is not None and expected.logprobs is not None
+    assert len(sample.logprobs) == len(sample.token_ids)
+    assert sample.logprobs[0] == pytest.approx(dict(handle.first_token_logprobs))
+    for got, want in zip(sample.logprobs, expected.logprobs, strict=True):
+        assert got.keys() == want.keys()
+        assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
+    assert_pool_whole(dec)
+
+
+def colocated_outputs(engine: Engine) -> list[RequestOutput]:
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return outputs

@@ -61,6 +61,8 @@ class EngineStats:
     kv_pull_fallbacks: int = 0
     # Requests failed instead of recomputed (kv_transfer_failure="fail"), cumulative.
     kv_transfer_failures: int = 0
+    # Bytes of KV this engine pulled from prefill engines (decode role), cumulative.
+    kv_bytes_pulled: int = 0
 
 
 class Engine:
@@ -75,9 +77,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         dtype = getattr(torch, config.dtype)
         block_size = config.cache.block_size
-        num_blocks = config.cache.resolve_num_blocks(
-            kv_block_bytes(config.model_config, block_size, dtype)
-        )
+        self.kv_block_bytes = kv_block_bytes(config.model_config, block_size, dtype)
+        num_blocks = config.cache.resolve_num_blocks(self.kv_block_bytes)
         self.kv_cache = KVCacheManager(
             num_blocks,
             block_size,
@@ -98,7 +99,8 @@ class Engine:
         # Nanoseconds since the epoch at start: a restarted engine always has a larger one.
         self.epoch = time.time_ns()
         self._leases = LeaseTable()
-        self._pulling: dict[str, tuple[Request, KVHandle]] = {}
+        self._pulling: dict[str, tuple[Request, KVHandle, int]] = {}  # + blocks to pull
+        self._kv_bytes_pulled = 0
         self._pull_fallbacks = 0
         self._transfer_failures = 0
         # Outputs of requests failed outside `step` (no batch emits them): the caller takes
@@ -268,6 +270,9 @@ class Engine:
             num_tokens=num_tokens,
             block_hashes=tuple(hashes),
             first_token_id=request.output_token_ids[0],
+            first_token_logprobs=(
+                tuple(request.output_logprobs[0].items()) if request.output_logprobs else None
+            ),
         )
         self._leases.grant(rid, time.monotonic() + self.config.kv_lease_seconds)
 
@@ -321,7 +326,11 @@ class Engine:
         parent = self._parents[request_id]
         request = parent.children[0]
         self.scheduler.waiting.remove(request)  # it joins through finish_pull, or below
-        request.append_output(handle.first_token_id, None)
+        # The first token's logprobs travel with the handle, so logprobs stay one per token.
+        first_logprobs = None
+        if params.logprobs is not None:
+            first_logprobs = dict(handle.first_token_logprobs or {handle.first_token_id: 0.0})
+        request.append_output(handle.first_token_id, first_logprobs)
         self._generation_tokens += 1
         parent.detokenize(0, handle.first_token_id)
         if (status := request.check_stop()) is not None:
@@ -337,9 +346,9 @@ class Engine:
             self._fall_back(request, reason)
             return None
         request.status = RequestStatus.WAITING_FOR_KV
-        self._pulling[request_id] = (request, handle)
         table = self.kv_cache.block_table(request_id)
         skip = len(cached)
+        self._pulling[request_id] = (request, handle, len(table) - skip)
         return PullPlan(request_id, handle.block_ids[skip:], tuple(table[skip:]))
 
     def _handle_mismatch(self, request: Request, handle: KVHandle) -> str | None:
@@ -360,11 +369,12 @@ class Engine:
         entry = self._pulling.pop(request_id, None)
         if entry is None:
             return  # aborted meanwhile
-        request, handle = entry
+        request, handle, num_pulled = entry
         if not ok:
             self.kv_cache.free(request_id)
             self._fall_back(request, "the KV transfer failed")
             return
+        self._kv_bytes_pulled += num_pulled * self.kv_block_bytes
         request.num_computed_tokens = handle.num_tokens
         self.kv_cache.cache_full_blocks(request)
         self.scheduler.admit_running(request)
@@ -423,6 +433,7 @@ class Engine:
             kv_leases_expired=self._leases.num_expired,
             kv_pull_fallbacks=self._pull_fallbacks,
             kv_transfer_failures=self._transfer_failures,
+            kv_bytes_pulled=self._kv_bytes_pulled,
         )
 
     def cached_block_hashes(self) -> list[bytes]:

@@ -23,6 +23,8 @@ class KVHandle:
     num_tokens: int  # tokens whose K/V the blocks hold: the whole prompt
     block_hashes: tuple[bytes, ...]  # chain hashes of the full blocks (block_hash.py)
     first_token_id: int  # the token the prefill sampled
+    # Its logprobs as (token id, logprob) pairs, when the request asked for logprobs.
+    first_token_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)

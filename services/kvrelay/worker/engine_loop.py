@@ -241,7 +241,10 @@ class EngineLoop:
         except Exception as exc:
             logger.exception("engine step failed; failing every request here")
             for request_id, failed in list(self._streams.items()):
-                self.engine.abort(request_id)
+                try:
+                    self.engine.abort(request_id)
+                except Exception:  # the same fault may strike again: free what we can
+                    logger.exception("request %s: abort after a failed step failed", request_id)
                 failed.put(exc)
             self._streams.clear()
             return False
