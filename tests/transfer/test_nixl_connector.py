@@ -89,6 +89,7 @@ def test_in_process_pull_and_refusals() -> None:
     target.register(dst, "T", 1)
     try:
         target.add_peer(source.metadata())
+        target.add_peer(source.metadata())  # introduced twice (pools, then a router): still one
         target.add_peer(PeerMetadata("S", 2, "nixl", b"ignored: an older epoch"))
         remote, local = PLANS["mixed"]
         before = dst.clone()

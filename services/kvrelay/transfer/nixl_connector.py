@@ -43,6 +43,11 @@ class _Region:
     mem_type: str  # "DRAM" | "VRAM"
 
 
+def _text(name: str | bytes) -> str:
+    # NIXL's binding returns agent names as bytes or str depending on the version.
+    return name.decode() if isinstance(name, bytes) else name
+
+
 @dataclass(frozen=True)
 class _Peer:
     epoch: int
@@ -141,14 +146,14 @@ class NixlConnector(KVConnector):
             raise ValueError(f"peer {peer.engine_id}: unknown memory type {info.mem_type!r}")
         with self._lock:
             old = self._peers.get(peer.engine_id)
-            if old is not None and (old.epoch > peer.epoch or old.agent_name == info.agent_name):
-                return  # older (raced with a newer add_peer), or one we already know
+            if old is not None and old.epoch >= peer.epoch:
+                return  # one we already know, or older (raced with a newer add_peer)
             try:
-                name = self._agent.add_remote_agent(info.agent_metadata)
+                name = _text(self._agent.add_remote_agent(info.agent_metadata))
             except Exception as exc:  # NIXL's binding errors share no base class
                 message = f"peer {peer.engine_id}: NIXL refused its metadata: {exc}"
                 raise ValueError(message) from exc
-            if old is not None:
+            if old is not None and old.agent_name != name:
                 self._forget(old)
             region = _Region(
                 info.base_address, info.num_blocks, info.block_bytes, info.device_id, info.mem_type
