@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.servers import ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +16,25 @@ def default_model_dir() -> Path:
     from kvrelay.models.default_model import pull_default_model
 
     return pull_default_model(progress=False)
+
+
+# The shared server's bounds are small so that the overload test can fill them; prompts of
+# more than 16 uncached tokens go through the prefill worker, shorter ones run whole on the
+# decode worker, so the tests cross both paths.
+SERVER_ARGS = (
+    "--max-in-flight", "4",
+    "--max-queued", "2",
+    "--max-local-prefill-tokens", "16",
+    "--kv-cache-memory", "256MiB",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def kvrelay_server(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A real `kvrelay serve` (Ray, 1 prefill + 1 decode worker, router, both APIs) on free
+    loopback ports, shared by the session: `.http_url`, `.grpc_target`, `.model`."""
+    server = start_server(tmp_path_factory.mktemp("server"), *SERVER_ARGS)
+    yield server
+    server.stop()

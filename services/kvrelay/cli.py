@@ -1,4 +1,4 @@
-"""The `kvrelay` command: generate, chat, and model management.
+"""The `kvrelay` command: generate, chat, serve, and model management.
 
 Heavy imports (torch, transformers) happen inside the commands, so `--help` is instant.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.engine.args import EngineArgs
@@ -23,6 +23,8 @@ examples:
   kvrelay generate "The capital of France is" --max-tokens 20
   kvrelay generate "Tell me a joke" --chat --temperature 0.7 --sampling-seed 1
   kvrelay chat                          talk to the default model, tokens streamed
+  kvrelay serve                         the whole platform: Ray workers, router, HTTP + gRPC
+  kvrelay chat --url http://127.0.0.1:8000   talk to a running server
 """
 
 
@@ -117,9 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
         "/exit or Ctrl-D to leave.",
     )
     chat.add_argument("--system", default=None, help="a system message to start the chat with")
+    chat.add_argument(
+        "--url",
+        default=None,
+        help="chat with a running server (e.g. http://127.0.0.1:8000) instead of loading the "
+        "model here; its API key comes from KVRELAY_API_KEY",
+    )
     # A small model repeats itself under greedy decoding: chat samples by default.
     _add_sampling_args(chat, max_tokens=512, temperature=0.7, top_p=0.9)
     EngineArgs.add_cli_args(chat)
+
+    from kvrelay.cli_serve import build_serve_parsers
+
+    build_serve_parsers(commands)
 
     model = commands.add_parser("model", help="manage models", description="Manage models.")
     model_cmds = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
@@ -155,11 +167,21 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_chat(ns: argparse.Namespace) -> int:
+def _chat_streamer(ns: argparse.Namespace) -> Callable[[list[dict[str, str]]], Iterator[str]]:
+    """history -> the reply's text deltas: from a model loaded here, or a server at --url."""
+    params = _sampling_params(ns)
+    if ns.url:
+        from kvrelay.remote_chat import RemoteChat
+
+        return RemoteChat(ns.url, params).stream
     from kvrelay.llm import LLM
 
-    params = _sampling_params(ns)
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    return lambda history: llm.stream(llm.chat_prompt(history), params)
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    stream = _chat_streamer(ns)
     history: list[dict[str, str]] = []
     if ns.system:
         history.append({"role": "system", "content": ns.system})
@@ -183,7 +205,7 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
         print("assistant> ", end="", flush=True)
         reply = []
         try:
-            for delta in llm.stream(llm.chat_prompt(history), params):
+            for delta in stream(history):
                 reply.append(delta)
                 print(delta, end="", flush=True)
         except KeyboardInterrupt:
@@ -208,7 +230,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "model": _cmd_model}
+    from kvrelay import cli_serve
+
+    handlers = {
+        "generate": _cmd_generate,
+        "chat": _cmd_chat,
+        "model": _cmd_model,
+        "serve": cli_serve.cmd_serve,
+        "router": cli_serve.cmd_router,
+        "worker": cli_serve.cmd_worker,
+    }
     try:
         return handlers[ns.command](ns)
     except (ValueError, FileNotFoundError, TypeError) as exc:

@@ -16,8 +16,23 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.transfer.base import KVConnector, PeerMetadata
 from kvrelay.transfer.factory import create_connector
+from kvrelay.worker.deltas import DeltaTracker, OutputDelta
 from kvrelay.worker.engine_builder import build_engine
 from kvrelay.worker.engine_loop import EngineLoop
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """What a router needs to know of a worker once: its role, identity, and how it hashes
+    prompt blocks (so the router can compute the same prefix-cache keys)."""
+
+    role: str
+    engine_id: str
+    epoch: int
+    block_size: int
+    hash_extra_keys: tuple[str, ...]
+    num_blocks: int
+    max_model_len: int
 
 
 class EngineWorker:
@@ -65,6 +80,31 @@ class EngineWorker:
         `num_returns="streaming"` through Ray."""
         async for output in self.loop.outputs(request_id, prompt_token_ids, params, kv_handle):
             yield output
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """`generate`, as deltas (each step's new tokens): what the router consumes. On a
+        prefill worker the last delta carries the `kv_handle`."""
+        tracker = DeltaTracker()
+        async for output in self.loop.outputs(request_id, prompt_token_ids, params, kv_handle):
+            yield tracker.delta(output)
+
+    def describe(self) -> WorkerInfo:
+        engine = self.engine
+        return WorkerInfo(
+            role=self.role,
+            engine_id=engine.engine_id,
+            epoch=engine.epoch,
+            block_size=engine.kv_cache.block_size,
+            hash_extra_keys=engine.kv_cache.extra_keys,
+            num_blocks=engine.num_blocks,
+            max_model_len=engine.max_total_tokens,
+        )
 
     async def generate_final(
         self,

@@ -21,6 +21,35 @@ from kvrelay.worker.actor import EngineWorker
 logger = logging.getLogger(__name__)
 
 
+def spawn_worker(
+    engine_args: dict[str, Any],
+    role: str,
+    transfer_backend: str = "auto",
+    num_threads: int = 1,
+    *,
+    num_cpus: float = 0,
+    name: str | None = None,
+    namespace: str | None = None,
+    resources: dict[str, float] | None = None,
+    node_id: str | None = None,
+) -> Any:
+    """Start one EngineWorker actor; a `name` makes it a detached, named actor that outlives
+    its creator (found again by name), `node_id` pins it to a node."""
+    import ray
+
+    options: dict[str, Any] = {"num_cpus": num_cpus}
+    if name is not None:
+        options.update(name=name, namespace=namespace, lifetime="detached")
+    if resources:
+        options["resources"] = resources
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    actor = ray.remote(EngineWorker).options(**options)
+    return actor.remote(engine_args, role, transfer_backend, num_threads)
+
+
 class Pools:
     """Worker actors by role; build with `Pools.start`."""
 
@@ -76,10 +105,11 @@ class Pools:
         engine_args = EngineArgs.from_kwargs(model, dict(engine_kwargs or {}))
         policy = engine_args.kv_transfer_failure
         args = dataclasses.asdict(engine_args)
-        actor = ray.remote(num_cpus=num_cpus_per_worker)(EngineWorker)
 
         def spawn(role: str) -> Any:
-            return actor.remote(args, role, transfer_backend, num_threads)
+            return spawn_worker(
+                args, role, transfer_backend, num_threads, num_cpus=num_cpus_per_worker
+            )
 
         if colocated:
             pools = cls([], [], [spawn("both") for _ in range(num_decode)], owns_ray, policy)

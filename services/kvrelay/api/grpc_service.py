@@ -1,0 +1,105 @@
+"""The gRPC API: kvrelay.v1.Generation, grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+import hmac
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvrelay.api.grpc_convert import response_message, to_request
+from kvrelay.router.errors import OverloadedError, RouterError, Status
+from kvrelay.router.router import Router
+from kvrelay.router.types import ChoiceDelta, GenerateChunk
+from kvrelay.v1 import generation_pb2 as pb
+from kvrelay.v1 import generation_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router, api_key: str | None = None) -> None:
+        self.router = router
+        self.api_key = api_key
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            self._authenticate(context)
+            greq = to_request(request, self.router.tokenizer, context.time_remaining())
+            ticket = self.router.admit(greq)
+            top_k = greq.params.logprobs or 0
+            chunks = self.router.generate(greq, ticket)
+            if request.stream:
+                async for chunk in chunks:
+                    yield response_message(chunk, self.router.tokenizer, top_k)
+            else:
+                whole = await _collect(chunks, greq.request_id)
+                yield response_message(whole, self.router.tokenizer, top_k)
+        except RouterError as exc:
+            await _abort(context, exc)
+
+    async def ListModels(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._authenticate(context)
+        except RouterError as exc:
+            await _abort(context, exc)
+        card = self.router.model
+        model = pb.Model(
+            id=card.id, max_model_len=card.max_model_len, created=card.created, owned_by="kvrelay"
+        )
+        return pb.ListModelsResponse(models=[model])
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        if self.api_key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        given = str(metadata.get("authorization", "")).removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise _Unauthenticated("invalid or missing API key: send 'authorization: Bearer KEY'")
+
+
+class _Unauthenticated(RouterError):
+    status = Status.UNAUTHENTICATED
+
+
+async def _collect(chunks: AsyncIterator[GenerateChunk], request_id: str) -> GenerateChunk:
+    """A non-streamed call: every sample's deltas merged into one chunk."""
+    merged: dict[int, ChoiceDelta] = {}
+    usage = None
+    async for chunk in chunks:
+        usage = chunk.usage or usage
+        for delta in chunk.choices:
+            if delta.index in merged:
+                merged[delta.index].merge(delta)
+            else:
+                merged[delta.index] = delta
+    return GenerateChunk(request_id, [merged[i] for i in sorted(merged)], usage)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    if isinstance(exc, OverloadedError):
+        context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(exc.retry_after_s)))),))
+    code = grpc.StatusCode[exc.status.grpc_name]
+    message = (
+        f"{exc.param}: {exc.message}" if exc.param and exc.param not in exc.message else exc.message
+    )
+    await context.abort(code, message)
+
+
+def add_services(server: grpc.aio.Server, router: Router, api_key: str | None) -> Any:
+    """Register the Generation, health and reflection services; returns the health servicer
+    (the server flips it to NOT_SERVING while draining)."""
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(router, api_key), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

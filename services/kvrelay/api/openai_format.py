@@ -1,0 +1,193 @@
+"""Router chunks -> OpenAI response objects, whole and streamed (SSE), for both endpoints."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.router.errors import RouterError
+from kvrelay.router.types import ChoiceDelta, GenerateChunk, TokenLogprob, Usage
+
+
+def error_body(
+    message: str, error_type: str, status: int, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def router_error_body(exc: RouterError) -> dict[str, Any]:
+    status = exc.status
+    return error_body(exc.message, status.error_type, status.http_status, exc.param)
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+    if usage.cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
+
+
+@dataclass
+class _Choice:
+    """One sample accumulated for a whole (non-streamed) response."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIFormatter:
+    """Formats one request's chunks for `/v1/completions` (chat=False) or
+    `/v1/chat/completions` (chat=True)."""
+
+    def __init__(
+        self, request_id: str, model: str, chat: bool, tokenizer: Any, top_logprobs: int = 0
+    ) -> None:
+        self.top_logprobs = top_logprobs  # how many alternatives to show per token
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self._tokenizer = tokenizer
+        self._object = "chat.completion" if chat else "text_completion"
+
+    # -- whole responses --
+
+    async def whole(
+        self, chunks: AsyncIterator[GenerateChunk], n: int, want_logprobs: bool
+    ) -> dict[str, Any]:
+        choices = [_Choice() for _ in range(n)]
+        usage: Usage | None = None
+        async for chunk in chunks:
+            usage = chunk.usage or usage
+            for delta in chunk.choices:
+                choice = choices[delta.index]
+                choice.text += delta.text
+                choice.logprobs.extend(delta.logprobs or [])
+                choice.finish_reason = delta.finish_reason or choice.finish_reason
+                if delta.stop_reason is not None:
+                    choice.stop_reason = delta.stop_reason
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._whole_choice(i, c, want_logprobs) for i, c in enumerate(choices)],
+        }
+        if usage is not None:
+            body["usage"] = usage_body(usage)
+        return body
+
+    def _whole_choice(self, index: int, choice: _Choice, want_logprobs: bool) -> dict[str, Any]:
+        logprobs = self._logprobs(choice.logprobs, 0) if want_logprobs else None
+        out: dict[str, Any] = {"index": index}
+        if self.chat:
+            out["message"] = {"role": "assistant", "content": choice.text}
+        else:
+            out["text"] = choice.text
+        out.update(
+            logprobs=logprobs, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason
+        )
+        return out
+
+    # -- streamed responses --
+
+    async def sse(
+        self,
+        chunks: AsyncIterator[GenerateChunk],
+        include_usage: bool,
+        want_logprobs: bool,
+    ) -> AsyncGenerator[str, None]:
+        """Server-sent events, ending with `data: [DONE]`; a failure mid-stream becomes an
+        error event (the status line has gone out already)."""
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        try:
+            async for chunk in chunks:
+                choices = [
+                    self._stream_choice(d, started, offsets, want_logprobs) for d in chunk.choices
+                ]
+                if choices:
+                    yield self._event(choices, None if not include_usage else False)
+                if chunk.usage is not None and include_usage:
+                    yield self._event([], chunk.usage)
+        except RouterError as exc:
+            yield f"data: {json.dumps(router_error_body(exc))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _event(self, choices: list[dict[str, Any]], usage: Usage | bool | None) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": f"{self._object}.chunk" if self.chat else self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:  # False: usage asked for, comes later (OpenAI sends null)
+            body["usage"] = usage_body(usage) if isinstance(usage, Usage) else None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _stream_choice(
+        self,
+        delta: ChoiceDelta,
+        started: set[int],
+        offsets: dict[int, int],
+        want_logprobs: bool,
+    ) -> dict[str, Any]:
+        offset = offsets.get(delta.index, 0)
+        offsets[delta.index] = offset + len(delta.text)
+        logprobs = self._logprobs(delta.logprobs or [], offset) if want_logprobs else None
+        out: dict[str, Any] = {"index": delta.index}
+        if self.chat:
+            message: dict[str, Any] = {"content": delta.text}
+            if delta.index not in started:
+                message["role"] = "assistant"
+                started.add(delta.index)
+            out["delta"] = message
+        else:
+            out["text"] = delta.text
+        out.update(
+            logprobs=logprobs, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason
+        )
+        return out
+
+    # -- logprobs --
+
+    def _token(self, token_id: int) -> str:
+        return str(self._tokenizer.decode([token_id]))
+
+    def _logprobs(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat_logprob(e) for e in entries]}
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for entry in entries:
+            token = self._token(entry.token_id)
+            tokens.append(token)
+            token_logprobs.append(entry.logprob)
+            tops.append({self._token(t): lp for t, lp in entry.top[: self.top_logprobs]})
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, entry: TokenLogprob) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self._token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        out = item(entry.token_id, entry.logprob)
+        # The engine's entry holds the sampled token as well as the top k: keep the top k.
+        out["top_logprobs"] = [item(t, lp) for t, lp in entry.top[: self.top_logprobs]]
+        return out

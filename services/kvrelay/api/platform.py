@@ -1,0 +1,97 @@
+"""Putting the platform together: workers (started here, or found on a Ray cluster), the
+router over them, and both APIs, until a signal drains and stops it all."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.api.server import ApiServer, ServerConfig
+from kvrelay.engine.args import EngineArgs
+from kvrelay.router.policy import RoutingPolicy
+from kvrelay.router.relay import RelayConfig
+from kvrelay.router.router import ModelCard, Router
+from kvrelay.router.workers import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    served_model_name: str | None = None
+    max_in_flight: int = 256
+    max_queued: int = 512
+    routing_policy: str = "score"
+    max_local_prefill_tokens: int = 64
+
+
+def model_card(engine_args: EngineArgs, served_name: str | None) -> ModelCard:
+    path = engine_args.resolve_model_path()
+    config = engine_args.create_engine_config(path)
+    return ModelCard(served_name or path.name, config.max_model_len, int(time.time()))
+
+
+async def run_router(
+    registry: WorkerRegistry,
+    engine_args: EngineArgs,
+    options: RouterOptions,
+    server_config: ServerConfig,
+    on_ready: Callable[[ApiServer, Router], None],
+    background: list[Coroutine[Any, Any, None]] | None = None,
+) -> None:
+    """Serve until SIGINT / SIGTERM, then drain."""
+    from kvrelay.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(engine_args.resolve_model_path())
+    relay = RelayConfig(
+        max_local_prefill_tokens=options.max_local_prefill_tokens,
+        kv_transfer_failure=engine_args.kv_transfer_failure,
+    )
+    router = Router.create(
+        registry,
+        tokenizer,
+        model_card(engine_args, options.served_model_name),
+        relay,
+        options.max_in_flight,
+        options.max_queued,
+        policy=RoutingPolicy(options.routing_policy),
+    )
+    tasks = [asyncio.create_task(registry.run())]
+    tasks += [asyncio.create_task(job) for job in background or []]
+    server = ApiServer(router, server_config)
+    try:
+        await server.start()
+        server.install_signal_handlers()
+        on_ready(server, router)
+        await server.wait_for_stop()
+        await server.drain_and_stop()
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def ready_message(server: ApiServer, router: Router, pools: str) -> str:
+    cfg = server.config
+    http = f"http://{cfg.http_host}:{server.http_port}"
+    auth = " -H 'Authorization: Bearer $KVRELAY_API_KEY'" if cfg.api_key else ""
+    body = (
+        f'{{"model": "{router.model.id}", '
+        '"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 40}'
+    )
+    return (
+        f"kvrelay is serving {router.model.id} ({pools})\n"
+        f"  OpenAI API  {http}/v1\n"
+        f"  gRPC        {cfg.grpc_host}:{server.grpc_port}\n"
+        f"  metrics     {http}/metrics\n"
+        "try:\n"
+        f"  curl {http}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{body}'\n"
+        "Ctrl-C stops it (requests in flight finish first)."
+    )

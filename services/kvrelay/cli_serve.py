@@ -1,0 +1,275 @@
+"""`kvrelay serve`, `kvrelay router` and `kvrelay worker`: the serving entry points.
+
+`serve` is the embedded default (a local Ray cluster, one prefill and one decode worker, the
+router and both APIs in this process). `router` and `worker` are its two halves for
+multi-node and Kubernetes deployments: workers join a Ray cluster as named actors, a router
+finds them (or, with --manage-workers, starts one per `kvrelay_<role>` resource unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from kvrelay.engine.args import EngineArgs
+
+SERVE_EPILOG = """\
+examples:
+  kvrelay serve                                the default model, 1 prefill + 1 decode worker
+  kvrelay serve --colocated                    one worker doing both (the baseline)
+  kvrelay serve --model ~/models/Llama-3.2-1B --num-decode 2 --http-port 9000
+  KVRELAY_API_KEY=secret kvrelay serve         require 'Authorization: Bearer secret'
+"""
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("APIs")
+    add = group.add_argument
+    add("--http-host", default="127.0.0.1", help="OpenAI HTTP API address (default 127.0.0.1)")
+    add("--http-port", type=int, default=8000, help="OpenAI HTTP API port (default 8000)")
+    add("--grpc-host", default="127.0.0.1", help="gRPC API address (default 127.0.0.1)")
+    add("--grpc-port", type=int, default=50051, help="gRPC API port (default 50051)")
+    add(
+        "--api-key-env",
+        default="KVRELAY_API_KEY",
+        help="environment variable holding the API key clients must send; unset or empty "
+        "means no key (default KVRELAY_API_KEY)",
+    )
+    add("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
+        "finish on shutdown (default 30)")  # fmt: skip
+    group = parser.add_argument_group("router")
+    add = group.add_argument
+    add("--served-model-name", default=None, help="model id clients use (default: folder name)")
+    add("--max-in-flight", type=int, default=256, help="requests running at once (default 256)")
+    add(
+        "--max-queued",
+        type=int,
+        default=512,
+        help="requests waiting beyond --max-in-flight; more get 429 (default 512)",
+    )
+    add(
+        "--routing-policy",
+        choices=["score", "round_robin"],
+        default="score",
+        help="score: prefix-cache overlap, queue depth and KV usage, weighted (default)",
+    )
+    add(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=64,
+        help="prompts with at most this many tokens not cached at the decode worker run "
+        "whole there, without a prefill worker (default 64)",
+    )
+
+
+def add_pool_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workers")
+    add = group.add_argument
+    add(
+        "--transfer-backend",
+        choices=["auto", "nixl", "grpc"],
+        default="auto",
+        help="KV relay between workers: NIXL (UCX) when installed, else gRPC (default auto)",
+    )
+    add("--kv-lease-seconds", type=float, default=30.0, help="how long a prefill worker holds a "
+        "handed-off prompt's KV for its decode worker (default 30)")  # fmt: skip
+    add(
+        "--kv-transfer-failure",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="when a KV pull fails: recompute the prompt at the decode worker, or fail",
+    )
+    add("--worker-threads", type=int, default=None, help="torch threads per worker (default: "
+        "the machine's cores shared among the workers)")  # fmt: skip
+
+
+def build_serve_parsers(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="start the whole platform locally: Ray, workers, router, APIs",
+        description="Start a local Ray cluster with prefill and decode workers, the router, "
+        "the OpenAI HTTP API and the gRPC API; Ctrl-C drains and stops.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    EngineArgs.add_cli_args(serve)
+    add_pool_args(serve)
+    serve.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default 1)")
+    serve.add_argument("--num-decode", type=int, default=1, help="decode workers (default 1)")
+    serve.add_argument(
+        "--colocated", action="store_true", help="--num-decode workers doing both, no relay"
+    )
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster instead")
+    add_server_args(serve)
+
+    router = commands.add_parser(
+        "router",
+        help="run the router and APIs over workers on a Ray cluster",
+        description="Join a Ray cluster and route to the kvrelay workers on it (started by "
+        "`kvrelay worker`, or by this router with --manage-workers).",
+    )
+    EngineArgs.add_cli_args(router)
+    add_pool_args(router)
+    router.add_argument("--ray-address", required=True, help="e.g. auto or ray://HEAD:10001")
+    router.add_argument(
+        "--manage-workers",
+        action="store_true",
+        help="keep one worker per unit of the Ray resources kvrelay_prefill / kvrelay_decode",
+    )
+    add_server_args(router)
+
+    worker = commands.add_parser(
+        "worker",
+        help="start one worker on this Ray node and keep it until stopped",
+        description="Start a named kvrelay worker actor on this node of a Ray cluster; a "
+        "router on the cluster finds it. Ctrl-C / SIGTERM stops it.",
+    )
+    EngineArgs.add_cli_args(worker)
+    add_pool_args(worker)
+    worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
+    worker.add_argument("--ray-address", default="auto", help="the Ray cluster (default auto)")
+
+
+def _engine_args(ns: argparse.Namespace) -> EngineArgs:
+    args = EngineArgs.from_cli_args(ns)
+    return dataclasses.replace(
+        args, kv_lease_seconds=ns.kv_lease_seconds, kv_transfer_failure=ns.kv_transfer_failure
+    )
+
+
+def _server_config(ns: argparse.Namespace) -> Any:
+    from kvrelay.api.server import ServerConfig
+
+    return ServerConfig(
+        ns.http_host,
+        ns.http_port,
+        ns.grpc_host,
+        ns.grpc_port,
+        os.environ.get(ns.api_key_env) or None,
+        ns.drain_timeout,
+    )
+
+
+def _router_options(ns: argparse.Namespace) -> Any:
+    from kvrelay.api.platform import RouterOptions
+
+    return RouterOptions(
+        ns.served_model_name,
+        ns.max_in_flight,
+        ns.max_queued,
+        ns.routing_policy,
+        ns.max_local_prefill_tokens,
+    )
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from kvrelay.api.platform import ready_message, run_router
+    from kvrelay.router.workers import WorkerRegistry
+    from kvrelay.worker.pools import Pools
+
+    engine_args = _engine_args(ns)
+    engine_args.resolve_model_path()  # fail fast (and fetch the default model) before Ray
+    num_workers = ns.num_decode if ns.colocated else ns.num_prefill + ns.num_decode
+    threads = ns.worker_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    pools_text = (
+        f"{ns.num_decode} colocated worker(s)"
+        if ns.colocated
+        else f"{ns.num_prefill} prefill + {ns.num_decode} decode worker(s), "
+        f"{ns.transfer_backend} KV relay"
+    )
+    print(f"kvrelay: starting {pools_text} on Ray...", flush=True)
+    pools = Pools.start(
+        str(engine_args.resolve_model_path()),
+        ns.num_prefill,
+        ns.num_decode,
+        ns.colocated,
+        ns.transfer_backend,
+        {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"},
+        address=ns.ray_address,
+        num_threads=threads,
+    )
+
+    async def main() -> None:
+        registry = WorkerRegistry()
+        for handle in pools.workers:
+            await registry.add(handle)
+
+        def ready(server: Any, router: Any) -> None:
+            print(ready_message(server, router, pools_text), flush=True)
+
+        await run_router(registry, engine_args, _router_options(ns), _server_config(ns), ready)
+
+    try:
+        asyncio.run(main())
+    finally:
+        pools.shutdown()
+    print("kvrelay: stopped", flush=True)
+    return 0
+
+
+def cmd_router(ns: argparse.Namespace) -> int:
+    import ray
+
+    from kvrelay.api.platform import ready_message, run_router
+    from kvrelay.router.discovery import NAMESPACE, WorkerManager, discover_workers
+    from kvrelay.router.workers import WorkerRegistry
+
+    engine_args = _engine_args(ns)
+    ray.init(address=ns.ray_address, namespace=NAMESPACE)
+    background = []
+    if ns.manage_workers:
+        args = {k: v for k, v in dataclasses.asdict(engine_args).items()}
+        manager = WorkerManager(args, ns.transfer_backend, ns.worker_threads or 1)
+        background.append(manager.run())
+
+    async def main() -> None:
+        registry = WorkerRegistry(discover=discover_workers)
+        await registry.refresh()
+
+        def ready(server: Any, router: Any) -> None:
+            print(ready_message(server, router, f"workers on Ray at {ns.ray_address}"), flush=True)
+
+        await run_router(
+            registry, engine_args, _router_options(ns), _server_config(ns), ready, background
+        )
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_worker(ns: argparse.Namespace) -> int:
+    import ray
+
+    from kvrelay.router.discovery import NAMESPACE, worker_name
+    from kvrelay.worker.pools import spawn_worker
+
+    engine_args = _engine_args(ns)
+    ray.init(address=ns.ray_address, namespace=NAMESPACE)
+    name = worker_name(ns.role)
+    handle = spawn_worker(
+        dataclasses.asdict(engine_args),
+        ns.role,
+        ns.transfer_backend,
+        ns.worker_threads or 1,
+        name=name,
+        namespace=NAMESPACE,
+        node_id=ray.get_runtime_context().get_node_id(),
+    )
+    ray.get(handle.health.remote())
+    print(f"kvrelay worker {name} ({ns.role}) is up; Ctrl-C stops it", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    try:
+        ray.get(handle.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(handle)
+    print(f"kvrelay worker {name}: stopped", file=sys.stderr)
+    return 0

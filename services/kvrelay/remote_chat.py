@@ -1,0 +1,71 @@
+"""`kvrelay chat --url`: a chat turn streamed from a running server's OpenAI HTTP API
+(standard library only, so the command needs nothing the server does not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+from kvrelay.engine.sampling import SamplingParams
+
+
+class RemoteChat:
+    def __init__(self, url: str, params: SamplingParams, api_key: str | None = None) -> None:
+        self.url = url.rstrip("/") + "/v1/chat/completions"
+        self.params = params
+        self.api_key = api_key or os.environ.get("KVRELAY_API_KEY")
+
+    def _body(self, history: list[dict[str, str]]) -> dict[str, Any]:
+        p = self.params
+        body: dict[str, Any] = {
+            "messages": history,
+            "stream": True,
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "min_p": p.min_p,
+            "repetition_penalty": p.repetition_penalty,
+            "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "min_tokens": p.min_tokens,
+            "ignore_eos": p.ignore_eos,
+            "stop": list(p.stop),
+        }
+        if p.seed is not None:
+            body["seed"] = p.seed
+        return body
+
+    def stream(self, history: list[dict[str, str]]) -> Iterator[str]:
+        """The assistant's reply to `history`, as text deltas."""
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(self._body(history)).encode()
+        request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+        try:
+            response = urllib.request.urlopen(request, timeout=600)
+        except urllib.error.HTTPError as exc:
+            detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
+            raise ValueError(f"the server refused the request ({exc.code}): {detail}") from exc
+        except urllib.error.URLError as exc:
+            raise ValueError(f"cannot reach {self.url}: {exc.reason}; is it running?") from exc
+        with response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                payload = line.removeprefix("data: ")
+                if payload == "[DONE]":
+                    return
+                event = json.loads(payload)
+                if "error" in event:
+                    raise ValueError(event["error"]["message"])
+                for choice in event.get("choices", []):
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        yield text

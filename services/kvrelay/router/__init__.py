@@ -1,0 +1,1 @@
+"""The router: admission, routing, and the prefill -> relay -> decode orchestration."""

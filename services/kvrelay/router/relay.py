@@ -1,0 +1,245 @@
+"""One sample's way through the workers (ARCHITECTURE.md section 2).
+
+Route -> (prefill at P, first token out, KV handle) -> decode at D, which pulls P's blocks ->
+release P's lease at D's first output -> stream D's tokens. Or, by the decision, the whole
+request on one worker. Every exit path (finish, stop string, cancellation, failure) aborts
+the request wherever it still runs, so every KV block is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+from kvrelay.engine.kv_handle import KVHandle
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.metrics import RouterMetrics
+from kvrelay.router.decision import Decision, decide
+from kvrelay.router.errors import InvalidRequestError, RouterError, UnavailableError
+from kvrelay.router.policy import RouteQuery, RoutingPolicy
+from kvrelay.router.sample_state import SampleState
+from kvrelay.router.types import ChoiceDelta
+from kvrelay.router.workers import WorkerRegistry, WorkerState
+from kvrelay.worker.deltas import DeltaTracker, OutputDelta
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLostError(Exception):
+    def __init__(self, worker: WorkerState, cause: BaseException) -> None:
+        super().__init__(f"worker {worker.worker_id} ({worker.role}) failed: {cause}")
+        self.worker = worker
+
+
+@dataclass
+class SampleRun:
+    """One sample of a request on its way: what to run and where its news goes."""
+
+    request_id: str  # the worker-side id (the request id, suffixed per sample when n > 1)
+    prompt: list[int]
+    params: SamplingParams  # as the worker gets them: n = 1, no stop strings
+    state: SampleState
+    emit: Callable[[ChoiceDelta], None]
+    emitted: bool = False
+    num_cached_tokens: int = 0
+    decision: Decision | None = None
+    times: dict[str, float] = field(default_factory=dict)  # prefill_done, first_decode
+
+    def take(self, delta: OutputDelta) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        for sample in delta.samples:
+            news = self.state.feed(sample)
+            if news is not None:
+                self.emitted = self.emitted or bool(news.token_ids)
+                self.emit(news)
+
+
+@dataclass
+class RelayConfig:
+    max_local_prefill_tokens: int = 64
+    kv_transfer_failure: str = "recompute"  # or "fail", as the workers' engines
+    max_attempts: int = 3
+
+
+class Relay:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: RoutingPolicy,
+        config: RelayConfig,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.config = config
+        self.metrics = metrics
+
+    async def run(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
+        """Run the sample to its end; a worker that dies before the sample streamed anything
+        is taken out and the sample retried elsewhere."""
+        for attempt in range(1, self.config.max_attempts + 1):
+            try:
+                await self._run_once(run, hashes, block_size)
+                return
+            except WorkerLostError as exc:
+                self.registry.remove(exc.worker.worker_id, str(exc))
+                if run.emitted or attempt == self.config.max_attempts:
+                    raise UnavailableError(
+                        f"request {run.request_id}: {exc}; it had streamed tokens, so it was "
+                        "not retried"
+                        if run.emitted
+                        else f"request {run.request_id}: {exc}; retried {attempt} times"
+                    ) from exc
+                logger.warning("request %s: %s; retrying on another worker", run.request_id, exc)
+
+    async def _run_once(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
+        roles = self.registry.roles()
+        blocks_needed = -(-(len(run.prompt) + (run.params.max_tokens or 0)) // block_size)
+        query = RouteQuery(hashes, blocks_needed)
+        index = self.registry.index
+        decoder = self.policy.pick(self.registry.healthy("decode"), query, index)
+        cached = index.matched_blocks(decoder.worker_id, hashes) * block_size if decoder else 0
+        run.decision = decide(len(run.prompt), cached, roles, self.config.max_local_prefill_tokens)
+        self.metrics.decisions.labels(run.decision.value).inc()
+        if run.decision is Decision.COLOCATED:
+            worker = self.policy.pick(self.registry.healthy("both"), query, index)
+            assert worker is not None
+            index.record(worker.worker_id, hashes)
+            await self._stream(run, worker, None)
+            return
+        assert decoder is not None
+        index.record(decoder.worker_id, hashes)
+        if run.decision is Decision.DECODE_ONLY:
+            await self._stream(run, decoder, None)
+            return
+        prefiller = self.policy.pick(self.registry.healthy("prefill"), query, index)
+        assert prefiller is not None
+        index.record(prefiller.worker_id, hashes)
+        await self._disaggregated(run, prefiller, decoder)
+
+    async def _disaggregated(
+        self, run: SampleRun, prefill: WorkerState, decode: WorkerState
+    ) -> None:
+        first = await self._prefill(run, prefill)
+        run.times["prefill_done"] = time.monotonic()
+        run.take(DeltaTracker().delta(first))
+        handle = first.kv_handle
+        if handle is None or run.state.finished:
+            if handle is not None:  # a stop string matched the first token
+                _fire(prefill.handle.release_kv, run.request_id)
+            return
+        lease_held: bool | None = None
+
+        async def release() -> bool:
+            nonlocal lease_held
+            lease_held = await _release(prefill, run.request_id)
+            return lease_held is not False
+
+        try:
+            completed = await self._stream(run, decode, handle, before_first=release)
+        finally:
+            if lease_held is None:  # never reached the decode's first output
+                _fire(prefill.handle.release_kv, run.request_id)
+        if not completed:
+            await self._lease_lost(run, decode, handle)
+
+    async def _prefill(self, run: SampleRun, worker: WorkerState) -> RequestOutput:
+        worker.in_flight += 1
+        done = False
+        try:
+            first: RequestOutput = await worker.handle.prefill.remote(
+                run.request_id, run.prompt, run.params
+            )
+            done = True
+            run.num_cached_tokens = int(first.metrics.get("num_cached_tokens", 0))
+            return first
+        except (RayActorError, ActorUnavailableError) as exc:
+            raise WorkerLostError(worker, exc) from exc
+        except RayTaskError as exc:
+            raise _task_error(exc) from exc
+        finally:
+            worker.in_flight -= 1
+            if not done:
+                _fire(worker.handle.abort, run.request_id)  # cancelled: frees a lease too
+
+    async def _lease_lost(self, run: SampleRun, decode: WorkerState, handle: KVHandle) -> None:
+        """The prefill lease ended before the pull did: the pulled blocks may hold another
+        request's KV. Drop them from the decode worker's cache, then recompute or fail."""
+        await decode.handle.forget_kv.remote(handle)
+        reason = f"request {run.request_id}: the prefill KV lease expired before the pull ended"
+        if self.config.kv_transfer_failure == "fail":
+            raise UnavailableError(f"KV transfer failed: {reason}; retry the request")
+        logger.warning("%s; recomputing on the decode worker", reason)
+        # Greedy and seeded samples recompute the same tokens; positions line the streams up.
+        await self._stream(run, decode, None)
+
+    async def _stream(
+        self,
+        run: SampleRun,
+        worker: WorkerState,
+        handle: KVHandle | None,
+        before_first: Callable[[], Any] | None = None,
+    ) -> bool:
+        """Stream the sample from `worker` until it finishes; False when `before_first` (run at
+        the first output, before it is used) says to stop."""
+        worker.in_flight += 1
+        worker_done = False
+        try:
+            stream = worker.handle.stream.options(num_returns="streaming").remote(
+                run.request_id, run.prompt, run.params, handle
+            )
+            async for ref in stream:
+                delta: OutputDelta = await ref
+                worker_done = delta.finished
+                if before_first is not None:
+                    run.times["first_decode"] = time.monotonic()
+                    keep_going = await before_first()
+                    before_first = None
+                    if not keep_going:
+                        return False
+                run.take(delta)
+                if worker_done or run.state.finished:
+                    return True
+            return True
+        except (RayActorError, ActorUnavailableError) as exc:
+            worker_done = True
+            raise WorkerLostError(worker, exc) from exc
+        except RayTaskError as exc:
+            worker_done = True
+            raise _task_error(exc) from exc
+        finally:
+            worker.in_flight -= 1
+            if not worker_done:  # a stop string, a cancelled client, a lost lease
+                _fire(worker.handle.abort, run.request_id)
+
+
+async def _release(prefill: WorkerState, request_id: str) -> bool | None:
+    """Release the prefill lease: whether it was still held; None if P is unreachable (a dead
+    worker cannot reuse the blocks either)."""
+    try:
+        held: bool = await prefill.handle.release_kv.remote(request_id)
+        return held
+    except Exception:
+        logger.warning("request %s: could not release its prefill KV lease", request_id)
+        return None
+
+
+def _fire(method: Any, *args: Any) -> None:
+    """Call an actor method without waiting (abort / release on the way out)."""
+    try:
+        method.remote(*args)
+    except Exception:
+        logger.warning("could not call %s on a worker", getattr(method, "_method_name", method))
+
+
+def _task_error(exc: RayTaskError) -> RouterError:
+    cause = exc.cause
+    if isinstance(cause, ValueError):
+        return InvalidRequestError(str(cause))
+    return RouterError(f"a worker failed the request: {cause!r}")

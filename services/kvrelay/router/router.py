@@ -1,0 +1,317 @@
+"""The router: validates, admits, fans a request's samples out through the relay, and merges
+their news into one stream of chunks, observing the latency metrics on the way.
+
+Stateless between requests apart from load and cache estimates (WorkerRegistry), so several
+routers can serve the same pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.engine.kv_cache.block_hash import hash_token_blocks
+from kvrelay.metrics import RouterMetrics
+from kvrelay.router.admission import AdmissionController, Ticket
+from kvrelay.router.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+    RouterError,
+    UnavailableError,
+)
+from kvrelay.router.relay import Relay, RelayConfig, SampleRun
+from kvrelay.router.sample_state import SampleState
+from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage
+from kvrelay.router.workers import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()  # a sample task's end marker in the merge queue
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The one model a router serves."""
+
+    id: str
+    max_model_len: int
+    created: int
+
+
+class Router:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        tokenizer: Any,
+        model: ModelCard,
+        relay: Relay,
+        admission: AdmissionController,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.model = model
+        self.relay = relay
+        self.admission = admission
+        self.metrics = metrics
+        self.draining = False
+
+    @classmethod
+    def create(
+        cls,
+        registry: WorkerRegistry,
+        tokenizer: Any,
+        model: ModelCard,
+        relay_config: RelayConfig | None = None,
+        max_in_flight: int = 256,
+        max_queued: int = 512,
+        metrics: RouterMetrics | None = None,
+        policy: Any = None,
+    ) -> Router:
+        from kvrelay.router.policy import RoutingPolicy
+
+        metrics = metrics or RouterMetrics()
+        metrics.watch_pools(registry.by_pool)
+        relay = Relay(registry, policy or RoutingPolicy(), relay_config or RelayConfig(), metrics)
+        admission = AdmissionController(max_in_flight, max_queued)
+        return cls(registry, tokenizer, model, relay, admission, metrics)
+
+    # -- requests --
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model.id:
+            raise ModelNotFoundError(model, [self.model.id])
+
+    def check_request(self, request: GenerateRequest) -> None:
+        """Bad input -> InvalidRequestError naming the field (nothing is admitted yet)."""
+        self.check_model(request.model)
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        limit = self.model.max_model_len
+        if num_prompt >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens; this model's context length is {limit} "
+                "tokens, prompt and output together: shorten the prompt",
+                "prompt",
+            )
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                f"context length {limit}: lower max_tokens",
+                "max_tokens",
+            )
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab and any(not 0 <= t < len(self.tokenizer) for t in request.prompt_token_ids):
+            raise InvalidRequestError("prompt token ids must be in [0, vocab size)", "prompt")
+
+    def admit(self, request: GenerateRequest) -> Ticket:
+        """Check the request and reserve its place now: bad input, draining, no workers and
+        overload are raised here, so an API answers them with a status before it streams.
+        The ticket goes to `generate`; release it if `generate` never runs."""
+        self.check_request(request)
+        if self.draining:
+            raise UnavailableError("the server is shutting down; retry on another replica")
+        if not self.is_ready():
+            raise UnavailableError("no worker is available to serve requests; retry shortly")
+        try:
+            ticket = self.admission.reserve()
+        except OverloadedError:
+            self.metrics.requests.labels(self.model.id, "rejected").inc()
+            raise
+        self.metrics.queued.inc()
+        return ticket
+
+    async def generate(
+        self, request: GenerateRequest, ticket: Ticket | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream a request's chunks; the last carries the usage. Closing the iterator early
+        (a cancelled client) aborts the request at its workers. Without a `ticket` from
+        `admit`, it is admitted here."""
+        if ticket is None:
+            ticket = self.admit(request)
+        arrival = time.monotonic()
+        outcome = "error"
+        admitted = False
+        try:
+            await ticket.wait()
+            admitted = True
+            self.metrics.queued.dec()
+            self.metrics.in_flight.inc()
+            self.metrics.queue_time.labels(self.model.id).observe(time.monotonic() - arrival)
+            async for chunk in self._generate(request, arrival):
+                for choice in chunk.choices:
+                    if choice.index == 0 and choice.finish_reason is not None:
+                        outcome = choice.finish_reason  # stop | length | abort
+                yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "abort"
+            raise
+        finally:
+            ticket.release()
+            if admitted:
+                self.metrics.in_flight.dec()
+            else:
+                self.metrics.queued.dec()
+            self.metrics.requests.labels(self.model.id, outcome).inc()
+
+    async def _generate(
+        self, request: GenerateRequest, arrival: float
+    ) -> AsyncIterator[GenerateChunk]:
+        runs = self._sample_runs(request)
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        for run in runs:
+            run.emit = queue.put_nowait
+        block_size, extra_keys = self._hashing()
+        hashes = hash_token_blocks(request.prompt_token_ids, block_size, extra_keys)
+
+        async def run_sample(run: SampleRun) -> None:
+            try:
+                await self.relay.run(run, hashes, block_size)
+            except BaseException as exc:
+                queue.put_nowait(exc)
+                raise
+            finally:
+                queue.put_nowait(_DONE)
+
+        tasks = [asyncio.create_task(run_sample(run)) for run in runs]
+        timer = _Timer(arrival)
+        try:
+            async with asyncio.timeout(request.timeout_s):
+                async for choices in _merge(queue, len(tasks)):
+                    timer.tokens(sum(len(c.token_ids) for c in choices if c.index == 0))
+                    yield GenerateChunk(request.request_id, choices)
+        except TimeoutError as exc:
+            raise DeadlineExceededError(
+                f"the request's deadline ({request.timeout_s:g} s) passed"
+            ) from exc
+        finally:
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
+        usage = Usage(
+            len(request.prompt_token_ids),
+            sum(len(run.state.token_ids) for run in runs),
+            runs[0].num_cached_tokens,
+        )
+        yield GenerateChunk(request.request_id, [], usage)
+        self._observe(request, runs[0], timer, usage)
+
+    def _sample_runs(self, request: GenerateRequest) -> list[SampleRun]:
+        params = request.params
+        runs = []
+        for index in range(params.n):
+            # Sample i of a seeded request draws from seed + i, exactly as the engine does
+            # when it runs the n samples itself.
+            seed = None if params.seed is None else params.seed + index
+            worker_params = dataclasses.replace(params, n=1, seed=seed, stop=())
+            rid = request.request_id if params.n == 1 else f"{request.request_id}-{index}"
+            state = SampleState(
+                index,
+                self.tokenizer,
+                params,
+                request.prompt_token_ids,
+                request.include_stop_str_in_output,
+            )
+            runs.append(SampleRun(rid, request.prompt_token_ids, worker_params, state, _no_emit))
+        return runs
+
+    def _hashing(self) -> tuple[int, tuple[str, ...]]:
+        worker = next(iter(self.registry.workers.values()), None)
+        if worker is None:
+            raise UnavailableError("no worker is available; retry shortly")
+        return worker.info.block_size, worker.info.hash_extra_keys
+
+    def _observe(
+        self, request: GenerateRequest, run: SampleRun, timer: _Timer, usage: Usage
+    ) -> None:
+        model = self.model.id
+        m = self.metrics
+        m.prompt_tokens.labels(model).inc(usage.prompt_tokens)
+        m.generation_tokens.labels(model).inc(usage.completion_tokens)
+        now = time.monotonic()
+        m.e2e.labels(model).observe(now - timer.arrival)
+        if timer.first is not None:
+            m.ttft.labels(model).observe(timer.first - timer.arrival)
+            m.prefill_time.labels(model).observe(timer.first - timer.arrival)
+            m.decode_time.labels(model).observe(now - timer.first)
+            for gap in timer.gaps:
+                m.itl.labels(model).observe(gap)
+        if "prefill_done" in run.times and "first_decode" in run.times:
+            m.transfer_time.labels(model).observe(
+                run.times["first_decode"] - run.times["prefill_done"]
+            )
+
+    # -- lifecycle --
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self.admission.close()
+
+    @property
+    def num_active(self) -> int:
+        return self.admission.in_flight + self.admission.queued
+
+    def is_ready(self) -> bool:
+        roles = self.registry.roles()
+        return not self.draining and ("decode" in roles or "both" in roles)
+
+
+class _Timer:
+    """TTFT and inter-token gaps of sample 0, as the client sees them."""
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last = arrival
+        self.gaps: list[float] = []
+
+    def tokens(self, count: int) -> None:
+        if count == 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            count -= 1
+        elif count:
+            self.gaps.extend([(now - self.last) / count] * count)
+        self.last = now
+
+
+async def _merge(queue: asyncio.Queue[object], num_tasks: int) -> AsyncIterator[list[ChoiceDelta]]:
+    """The samples' news as it comes, coalesced per sample when several wait in the queue."""
+    remaining = num_tasks
+    while remaining:
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        merged: dict[int, ChoiceDelta] = {}
+        for item in items:
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            elif isinstance(item, ChoiceDelta):
+                if item.index in merged:
+                    merged[item.index].merge(item)
+                else:
+                    merged[item.index] = item
+        if merged:
+            yield sorted(merged.values(), key=lambda c: c.index)
+
+
+def _no_emit(delta: ChoiceDelta) -> None:
+    raise RuntimeError("SampleRun.emit was not set")
+
+
+__all__ = ["ModelCard", "Router", "RouterError"]

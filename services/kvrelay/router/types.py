@@ -1,0 +1,64 @@
+"""A request as the router sees it, and what it streams back (wire-independent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.engine.sampling import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    model: str | None = None  # None: the server's only model
+    prompt_text: str | None = None
+    include_stop_str_in_output: bool = False
+    timeout_s: float | None = None  # the client's deadline, from now
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-k (token id, logprob), best first
+
+
+@dataclass
+class ChoiceDelta:
+    """One sample's news: new tokens and text, and its finish once it has one."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None
+
+    def merge(self, later: ChoiceDelta) -> None:
+        """Append a later delta of the same sample (coalescing when the client lags)."""
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerateChunk:
+    request_id: str
+    choices: list[ChoiceDelta]
+    usage: Usage | None = None  # on the last chunk only

@@ -1,0 +1,172 @@
+"""The router's view of the workers: who they are, how loaded, what they cache, who is alive.
+
+Workers join through `add` (from `Pools`, or found by a discovery source); the registry
+introduces every decode worker to every prefill worker (KV connector metadata) and polls
+their stats and cached block hashes. A worker that stops answering is taken out of routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.engine.engine import EngineStats
+from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.transfer.base import PeerMetadata
+from kvrelay.worker.actor import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+Discover = Callable[[], Awaitable[Sequence[Any]]]  # -> the actor handles that exist now
+
+
+@dataclass
+class WorkerState:
+    handle: Any  # a Ray actor handle of an EngineWorker
+    info: WorkerInfo
+    stats: EngineStats | None = None
+    in_flight: int = 0  # requests the router has at this worker now (fresher than stats)
+    last_seen: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.engine_id
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    @property
+    def free_blocks(self) -> int:
+        return self.stats.num_free_blocks if self.stats else self.info.num_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.stats.kv_usage if self.stats else 0.0
+
+    @property
+    def queue_depth(self) -> int:
+        waiting = self.stats.num_waiting if self.stats else 0
+        return max(self.in_flight, waiting)
+
+
+def actor_key(handle: Any) -> str:
+    """A stable key of an actor handle (its Ray actor id)."""
+    return str(handle._actor_id.hex())
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        stats_timeout_s: float = 5.0,
+        hashes_every: int = 4,
+        discover: Discover | None = None,
+        dead_after_s: float = 60.0,
+    ) -> None:
+        self._dead_after_s = dead_after_s
+        self.workers: dict[str, WorkerState] = {}
+        self.index = PrefixIndex()
+        self._stats_timeout_s = stats_timeout_s
+        self._hashes_every = hashes_every
+        self._discover = discover
+        self._peer_metas: dict[str, PeerMetadata] = {}  # prefill worker id -> its metadata
+        self._known_actors: set[str] = set()
+        self._refreshes = 0
+        self._lock = asyncio.Lock()
+
+    def healthy(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def roles(self) -> set[str]:
+        return {w.role for w in self.workers.values()}
+
+    def by_pool(self) -> dict[str, list[EngineStats]]:
+        """Each pool's workers' latest stats (for the metrics)."""
+        pools: dict[str, list[EngineStats]] = {}
+        for worker in self.workers.values():
+            pool = "colocated" if worker.role == "both" else worker.role
+            if worker.stats is not None:
+                pools.setdefault(pool, []).append(worker.stats)
+        return pools
+
+    async def add(self, handle: Any) -> WorkerState:
+        """Register a worker: learn what it is and introduce it to its peers."""
+        async with self._lock:
+            self._known_actors.add(actor_key(handle))
+            info: WorkerInfo = await handle.describe.remote()
+            state = WorkerState(handle, info, last_seen=time.monotonic())
+            if info.role == "prefill":
+                meta: PeerMetadata = await handle.kv_metadata.remote()
+                await asyncio.gather(*(d.handle.add_peer.remote(meta) for d in self._decoders()))
+                self._peer_metas[info.engine_id] = meta
+            elif info.role == "decode":
+                await asyncio.gather(
+                    *(handle.add_peer.remote(m) for m in self._peer_metas.values())
+                )
+            state.stats = await handle.stats.remote()
+            self.workers[info.engine_id] = state
+            logger.info("worker %s (%s) joined", info.engine_id, info.role)
+            return state
+
+    def _decoders(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == "decode"]
+
+    def remove(self, worker_id: str, reason: str) -> None:
+        """Take a worker out of routing (it died or stopped answering)."""
+        state = self.workers.pop(worker_id, None)
+        if state is None:
+            return
+        self.index.remove(worker_id)
+        self._peer_metas.pop(worker_id, None)
+        logger.warning("worker %s (%s) removed from routing: %s", worker_id, state.role, reason)
+
+    async def refresh(self) -> None:
+        """Poll every worker's stats (and every few rounds its cached block hashes)."""
+        self._refreshes += 1
+        with_hashes = self._refreshes % self._hashes_every == 1
+        await asyncio.gather(*(self._poll(w, with_hashes) for w in list(self.workers.values())))
+        if self._discover is not None:
+            await self._add_discovered()
+
+    async def _poll(self, worker: WorkerState, with_hashes: bool) -> None:
+        try:
+            async with asyncio.timeout(self._stats_timeout_s):
+                worker.stats = await worker.handle.stats.remote()
+                if with_hashes:
+                    hashes = await worker.handle.cached_block_hashes.remote()
+                    self.index.replace(worker.worker_id, hashes)
+            worker.last_seen = time.monotonic()
+        except TimeoutError:
+            # Stats wait for the engine's current step: a long prefill step is slow, not dead.
+            silent = time.monotonic() - worker.last_seen
+            if silent > self._dead_after_s:
+                self.remove(worker.worker_id, f"no answer for {silent:.0f} s")
+        except Exception as exc:  # RayActorError: the actor (or its node) is gone
+            self.remove(worker.worker_id, f"{type(exc).__name__}: {exc}")
+
+    async def _add_discovered(self) -> None:
+        assert self._discover is not None
+        try:
+            handles = await self._discover()
+        except Exception:
+            logger.exception("worker discovery failed")
+            return
+        for handle in handles:
+            if actor_key(handle) in self._known_actors:
+                continue
+            try:
+                await self.add(handle)
+            except Exception as exc:
+                logger.warning("a discovered worker could not join: %s", exc)
+
+    async def run(self, interval_s: float = 0.5) -> None:
+        """Poll forever (a background task; cancel it to stop)."""
+        while True:
+            with contextlib.suppress(Exception):
+                await self.refresh()
+            await asyncio.sleep(interval_s)

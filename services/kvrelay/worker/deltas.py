@@ -1,0 +1,73 @@
+"""What a worker streams to the router: each step's new tokens, not the cumulative output.
+
+The engine's RequestOutput is cumulative (vLLM's shape); sending it every step would cost
+O(length^2) bytes per request over Ray. A delta carries only what is new, with the position of
+its first token so a receiver can line up streams that overlap (a recompute after a failure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.engine.kv_handle import KVHandle
+from kvrelay.engine.outputs import RequestOutput
+
+
+@dataclass
+class SampleDelta:
+    index: int
+    start: int  # position of token_ids[0] among the sample's output tokens
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class OutputDelta:
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    kv_handle: KVHandle | None = None  # prefill role: where the prompt's KV waits
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class DeltaTracker:
+    """Turns one request's cumulative outputs into deltas."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, int] = {}  # sample index -> tokens already sent
+        self._done: set[int] = set()  # samples whose finish was sent
+
+    def delta(self, output: RequestOutput) -> OutputDelta:
+        samples = []
+        for sample in output.outputs:
+            start = self._sent.get(sample.index, 0)
+            new_ids = sample.token_ids[start:]
+            if sample.index in self._done or (not new_ids and sample.finish_reason is None):
+                continue
+            self._sent[sample.index] = len(sample.token_ids)
+            if sample.finish_reason is not None:
+                self._done.add(sample.index)
+            logprobs = sample.logprobs[start:] if sample.logprobs is not None else None
+            samples.append(
+                SampleDelta(
+                    sample.index,
+                    start,
+                    list(new_ids),
+                    logprobs,
+                    sample.finish_reason,
+                    sample.stop_reason,
+                )
+            )
+        return OutputDelta(
+            output.request_id,
+            samples,
+            output.finished,
+            len(output.prompt_token_ids),
+            int(output.metrics.get("num_cached_tokens", 0)),
+            output.kv_handle,
+            dict(output.metrics),
+        )

@@ -1,0 +1,94 @@
+"""Real `kvrelay serve` processes for the API tests: started on free loopback ports, waited
+for until /health answers 200, stopped with SIGTERM (the draining shutdown)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[str]
+    http_port: int
+    grpc_port: int
+    model: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.http_url}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+
+def start_server(
+    log_dir: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 180.0
+) -> ServerProcess:
+    """`kvrelay serve ARGS` on free ports; returns once it serves (or fails with its log)."""
+    http_port, grpc_port = free_port(), free_port()
+    log_path = log_dir / f"kvrelay-serve-{http_port}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "kvrelay.cli",
+        "serve",
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        *args,
+    ]
+    full_env = {**os.environ, **(env or {})}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, text=True, env=full_env
+        )
+    server = ServerProcess(process, http_port, grpc_port, "SmolLM2-135M-Instruct", log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvrelay serve exited with {process.returncode}:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(f"{server.http_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"kvrelay serve did not become healthy in {timeout_s} s:\n{server.log()}")
