@@ -1,8 +1,9 @@
 """Backend selection: which implementation of the kernel ops the engine calls.
 
-`auto` picks the fastest backend this machine can run: `cpu` (kvrelay's C++ decode attention,
-built on first use) where it builds, else `torch`, the reference. The Triton and CUDA backends
-arrive with the kernels issue and register here.
+`auto` picks the fastest backend this machine can run. With CUDA: `cuda` (kvrelay's CUDA C++
+kernels, JIT-built on first use), then `triton`, then `torch`. Without: `cpu` (kvrelay's C++
+decode attention, built on first use) where it builds, then `torch`, the reference; `triton`
+is offered last there, and only under TRITON_INTERPRET=1 (slow: tests ask for it by name).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kvrelay_kernels import cpu_backend, reference
+from kvrelay_kernels import cpu_backend, cuda_backend, reference, triton_backend
 from kvrelay_kernels.plan import AttentionPlan
 
 logger = logging.getLogger(__name__)
@@ -68,12 +69,27 @@ _TORCH = AttentionBackend(
 _CPU = AttentionBackend(
     "cpu", reference.write_kv, cpu_backend.paged_attention, reference.copy_blocks
 )
-_BACKENDS = {"cpu": _CPU, "torch": _TORCH}
+_TRITON = AttentionBackend(
+    "triton", triton_backend.write_kv, triton_backend.paged_attention, reference.copy_blocks
+)
+_CUDA = AttentionBackend(
+    "cuda", cuda_backend.write_kv, cuda_backend.paged_attention, cuda_backend.copy_blocks
+)
+_BACKENDS = {"cuda": _CUDA, "triton": _TRITON, "cpu": _CPU, "torch": _TORCH}
 
 
 def available_backends() -> list[str]:
-    """Names of the backends this machine can run, fastest first (may build the CPU kernel)."""
-    return ["cpu", "torch"] if cpu_backend.is_available() else ["torch"]
+    """Names of the backends this machine can run, fastest first (may build the C++ or CUDA
+    kernels, once per process)."""
+    if torch.cuda.is_available():
+        names = ["cuda"] if cuda_backend.is_available() else []
+        if triton_backend.is_available():
+            names.append("triton")
+        return [*names, "torch"]
+    names = ["cpu", "torch"] if cpu_backend.is_available() else ["torch"]
+    if triton_backend.is_available():  # interpreted on the CPU: correct, slow, by name only
+        names.append("triton")
+    return names
 
 
 def select_backend(name: str = "auto") -> AttentionBackend:

@@ -184,5 +184,8 @@ _HELP = {
     "dtype": "weights and KV cache dtype (default float32, the fast one on CPU)",
     "seed": "seed of the sampler for requests without their own seed (default 0)",
     "num_threads": "torch CPU threads (default: torch's choice)",
-    "attention_backend": "attention kernels: auto, torch (more with the kernels issue)",
+    "attention_backend": (
+        "attention kernels: auto (the fastest this machine runs: cuda, triton, then torch on a "
+        "GPU; cpu, then torch without one), cuda, triton, cpu or torch"
+    ),
 }

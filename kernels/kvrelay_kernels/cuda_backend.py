@@ -1,0 +1,212 @@
+"""The `cuda` backend: kvrelay's CUDA C++ kernels (kernels/csrc) for decode attention,
+`write_kv` and `copy_blocks`; prefill chunks go to the Triton kernel when triton is present,
+else to the torch reference.
+
+The torch binding is JIT-built (torch.utils.cpp_extension, cached by torch) on the first use
+on a machine with CUDA; nothing is attempted without one. CPU tensors (an engine keeping its
+cache in host memory) take the torch reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvrelay_kernels import reference, triton_backend
+from kvrelay_kernels.plan import AttentionPlan
+
+logger = logging.getLogger(__name__)
+
+_NAME = "kvrelay_cuda_kernels"
+# Head sizes and dtypes with compiled decode kernels (kernels/csrc/paged_decode.cuh).
+HEAD_DIMS = frozenset({64, 80, 96, 128, 256})
+DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def csrc_dir() -> Path:
+    """Where the kernel sources are: kernels/csrc beside the package (editable install or a
+    checkout), or csrc inside an installed package."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "csrc", here / "csrc"):
+        if (candidate / "torch_binding.cpp").is_file():
+            return candidate
+    return here.parent / "csrc"
+
+
+def sources() -> list[Path]:
+    folder = csrc_dir()
+    return [folder / "torch_binding.cpp", *sorted(folder.glob("*.cu"))]
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled binding, built on the first call on a CUDA machine; None where it cannot."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return None
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _build() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        folder = csrc_dir()
+        logger.warning("building kvrelay's CUDA kernels (first use only, about a minute)")
+        return load(
+            name=_NAME,
+            sources=[str(s) for s in sources()],
+            extra_include_paths=[str(folder)],
+            extra_cflags=["-O3"],  # torch adds its own -std (C++20 for torch 2.13)
+            # Target archs: torch's choice (TORCH_CUDA_ARCH_LIST, else the visible GPUs').
+            extra_cuda_cflags=["-O3", "--use_fast_math"],
+            verbose=False,
+        )
+    except Exception as exc:  # no nvcc / ninja, or a build error: other backends remain
+        logger.warning("CUDA kernels unavailable (%s)", exc)
+        return None
+
+
+def is_available() -> bool:
+    return load_extension() is not None
+
+
+def _decode_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the compiled decode kernel takes these tensors (16-byte aligned K/V rows)."""
+    block_size = kv_cache.shape[3]
+    vec = 16 // kv_cache.element_size()
+    return (
+        kv_cache.is_cuda
+        and kv_cache.dtype in DTYPES
+        and query.dtype == kv_cache.dtype
+        and query.shape[2] in HEAD_DIMS
+        and block_size & (block_size - 1) == 0
+        and kv_cache.stride(5) == 1
+        and kv_cache.data_ptr() % 16 == 0
+        and all(stride % vec == 0 for stride in kv_cache.stride()[:5])
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention by the CUDA kernel: `query` `[num_seqs, num_heads, head_dim]`, one
+    token per sequence, `seq_lens` its context (own token included), `max_seq_len` their
+    maximum (a host value, so no device sync), `out` contiguous when given."""
+    module = load_extension()
+    assert module is not None, "decode_attention needs the CUDA kernels (is_available())"
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    tables = block_tables.to(device=query.device, dtype=torch.int32)
+    lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    module.paged_decode_attention(out, query, kv_cache, layer, tables, lens, max_seq_len, scale)
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    plan: AttentionPlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same meaning as `reference.paged_attention`."""
+    args = (query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale)
+    if not kv_cache.is_cuda:
+        return reference.paged_attention(*args, plan=plan, out=out)
+    if plan is None:
+        from kvrelay_kernels.plan import build_plan
+
+        plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
+    if plan.prefills or not _decode_supported(query, kv_cache) or load_extension() is None:
+        # Prefill chunks (and shapes without a compiled kernel): one varlen Triton launch.
+        if triton_backend.is_available():
+            return triton_backend.paged_attention(*args, plan=plan, out=out)
+        return reference.paged_attention(*args, plan=plan, out=out)
+    assert plan.decode_block_tables is not None and plan.decode_lens is not None
+    rows = plan.decode_token_idx
+    if rows is None:  # every row a decode, in order: the step's own tables fit as they are
+        tables, lens = block_tables, seq_lens
+    else:
+        tables, lens = plan.decode_block_tables, plan.decode_lens
+    direct = rows is None and (out is None or out.is_contiguous())
+    result = decode_attention(
+        query if rows is None else query[rows],
+        kv_cache,
+        layer,
+        tables,
+        lens,
+        plan.decode_context,
+        scale,
+        out=out if direct else None,
+    )
+    if direct:
+        return result
+    if out is None:
+        out = torch.empty_like(query)
+    if rows is None:
+        out.copy_(result)
+    else:
+        out[rows] = result
+    return out
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    *,
+    plan: AttentionPlan | None = None,
+) -> None:
+    """Same meaning as `reference.write_kv`."""
+    module = load_extension() if kv_cache.is_cuda else None
+    if module is None or kv_cache.dtype not in DTYPES or kv_cache.stride(5) != 1:
+        reference.write_kv(key, value, kv_cache, layer, slot_mapping, plan=plan)
+        return
+    key = key.to(kv_cache.dtype)
+    value = value.to(kv_cache.dtype)
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()
+    module.write_kv(key, value, kv_cache, layer, slots)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Same meaning as `reference.copy_blocks`."""
+    module = load_extension() if kv_cache.is_cuda else None
+    block_bytes = kv_cache[0].numel() * kv_cache.element_size() if kv_cache.numel() else 0
+    if module is None or not kv_cache[0].is_contiguous() or block_bytes % 16:
+        reference.copy_blocks(kv_cache, src, dst)
+        return
+    if src.numel():
+        device = kv_cache.device
+        module.copy_blocks(
+            kv_cache,
+            src.to(device=device, dtype=torch.int64).contiguous(),
+            dst.to(device=device, dtype=torch.int64).contiguous(),
+        )

@@ -1,0 +1,207 @@
+"""Triton varlen paged attention: prefill chunks and decode tokens of one step in one launch.
+
+Importing this module imports triton; `triton_backend` imports it lazily so that nothing else
+pays for (or is configured by) triton. It runs on CUDA tensors, and on CPU tensors under
+TRITON_INTERPRET=1 (the CI check). Semantics: `reference.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrelay_kernels.plan import AttentionPlan
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(cu_tiles_ptr, num_seqs, tile):  # type: ignore[no-untyped-def]
+    """The sequence owning query tile `tile`: the last s with cu_tiles[s] <= tile (binary
+    search; cu_tiles has num_seqs + 1 entries). Returns num_seqs for tiles past the end."""
+    lo = tl.full((), 0, tl.int32)
+    hi = tl.full((), 0, tl.int32) + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        right = tl.load(cu_tiles_ptr + mid + 1) <= tile
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
+    out_ptr,
+    q_ptr,
+    cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    cu_tiles_ptr,
+    num_seqs,
+    layer_offset,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_block,
+    stride_kv,
+    stride_token,
+    stride_head,
+    stride_table,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * GROUP_P rows
+    BLOCK_N: tl.constexpr,  # context tokens per iteration
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens)
+    DOT_F32: tl.constexpr,  # exact fp32 dots (not tf32 nor bf16): fp32 caches, the interpreter
+):
+    # One program: BLOCK_Q query tokens of one sequence x the GROUP query heads of one KV
+    # head, so the K/V tiles it loads serve the whole GQA group. Rows are (token, head) pairs.
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(cu_tiles_ptr, num_seqs, tile)
+    live = seq < num_seqs  # the grid is an upper bound on the number of tiles
+    seq = tl.minimum(seq, num_seqs - 1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.where(live, tl.load(qsl_ptr + seq + 1) - q_start, 0)
+    context = tl.load(seq_lens_ptr + seq)
+    tok0 = (tile - tl.load(cu_tiles_ptr + seq)) * BLOCK_Q
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P)
+    tok = tok0 + rows // GROUP_P
+    head = kv_head * GROUP + rows % GROUP_P
+    row_ok = (tok < q_len) & (rows % GROUP_P < GROUP)
+    q_pos = context - q_len + tok  # the query's own position: it sees keys 0..q_pos
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_ok = dims < HEAD_DIM
+
+    q_rows = (q_start + tok).to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :])
+
+    # Causal: this tile's last query sees keys up to its position; a dead tile reads nothing.
+    kv_end = tl.where(tok0 < q_len, context - q_len + tl.minimum(tok0 + BLOCK_Q, q_len), 0)
+    base = cache_ptr + layer_offset + kv_head * stride_head
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+
+    # Masked scores are a finite minimum, not -inf: every live row sees key 0 in the first
+    # iteration, so its running max is real from then on; dead rows compute harmless garbage
+    # that is never stored (with -inf they would compute NaN = -inf - -inf).
+    m_i = tl.full((BLOCK_Q * GROUP_P,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_Q * GROUP_P,), tl.float32)
+    acc = tl.zeros((BLOCK_Q * GROUP_P, HEAD_DIM_P), tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        offs = block * stride_block + (pos % BLOCK_SIZE) * stride_token  # [BLOCK_N]
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(base + stride_kv + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))
+        s = s * qk_scale
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:  # a constexpr branch: triton compiles only one side
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
+    tl.store(
+        out_ptr + o_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    plan: AttentionPlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same meaning as `reference.paged_attention`, one kernel launch for the whole batch."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty(query.shape, dtype=kv_cache.dtype, device=query.device)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if kv_cache.stride(5) != 1:
+        raise ValueError("kv_cache's head_dim must be contiguous")
+    group = num_heads // num_kv_heads
+    group_p = _pow2_at_least(group)
+    # Without a plan nothing says whether the batch is decode only; size tiles for prefill.
+    all_decode = plan is not None and not plan.prefills
+    # tl.dot needs at least 16 rows; decode tiles hold one token, prefill tiles ~64 rows.
+    block_q = max(1, (16 if all_decode else 64) // group_p)
+    head_dim_p = _pow2_at_least(head_dim, 16)
+    block_n = 64 if head_dim_p <= 128 else 32
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tiles = torch.div(q_lens + block_q - 1, block_q, rounding_mode="floor")
+    cu_tiles = torch.zeros(num_seqs + 1, dtype=torch.int32, device=query.device)
+    cu_tiles[1:] = torch.cumsum(tiles, 0)
+    # sum(ceil(q_len / block_q)) <= num_tokens // block_q + num_seqs: a host-side bound, so
+    # the launch needs no device -> host copy.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        cu_tiles,
+        num_seqs,
+        layer * kv_cache.stride(1),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
+        block_tables.stride(0),
+        scale * _LOG2E,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size,
+        # triton 3.9's interpreter computes bf16 / fp16 tl.dot wrongly (garbage): it does
+        # those dots in fp32, on the same 16-bit inputs.
+        DOT_F32=kv_cache.dtype == torch.float32 or not query.is_cuda,
+        num_warps=4,
+    )
+    return out
