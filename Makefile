@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model serve test lint typecheck pytest bench clean
+.PHONY: setup model serve test lint typecheck kernels-check pytest prometheus bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +31,20 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-pytest: model
+pytest: model prometheus
 	$(VENV)/bin/pytest -q
 
-test: lint typecheck pytest
+# Debian's Prometheus server, for the dashboards' end-to-end test (it starts its own instance
+# on a free loopback port; a system service, if the package starts one, is never used).
+prometheus:
+	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
+
+# Compile every CUDA kernel with nvcc for sm_80 and sm_90 (no GPU needed); fails on any error
+# or register spill and prints the registers / shared memory table.
+kernels-check: | $(PY)
+	$(PY) kernels/csrc/check_kernels.py --jobs 2
+
+test: lint typecheck kernels-check pytest
 
 bench: model
 	$(PY) benchmarks/offline_throughput.py
@@ -46,4 +56,4 @@ clean:
 .PHONY: proto
 proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=services --grpc_python_out=services \
-		--pyi_out=services proto/kvrelay/v1/kv_transfer.proto
+		--pyi_out=services proto/kvrelay/v1/kv_transfer.proto proto/kvrelay/v1/generation.proto

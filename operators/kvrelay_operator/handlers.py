@@ -1,0 +1,133 @@
+"""The kopf layer: which events run a reconcile or a planner tick. Each handler is a few
+lines over `reconcile` and `autoscale`; errors become kopf's temporary or permanent kinds.
+
+Handlers go into a registry built by `build_registry`, not kopf's global one, so importing
+this module registers nothing and tests can build several.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from kvrelay_operator.autoscale import autoscaled_pools, plan_service, rfc3339, scrape_routers
+from kvrelay_operator.errors import PermanentError, RetryableError, SpecError
+from kvrelay_operator.kube import Kube
+from kvrelay_operator.metrics import OperatorMetrics
+from kvrelay_operator.names import (
+    API_VERSION,
+    GROUP,
+    POOL_PLURAL,
+    SERVICE_KIND,
+    SERVICE_PLURAL,
+    VERSION,
+)
+from kvrelay_operator.reconcile import reconcile
+from kvrelay_operator.signals import RouterSample
+from kvrelay_operator.spec import parse_service
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OperatorState:
+    """What handlers share: passed to kopf as its memo."""
+
+    kube: Kube
+    default_image: str
+    metrics: OperatorMetrics
+    # (namespace, name) -> the previous planner scrape, for latency windows.
+    samples: dict[tuple[str, str], RouterSample | None] = field(default_factory=dict)
+
+
+@contextmanager
+def _kopf_errors(state: OperatorState) -> Iterator[None]:
+    """Count the outcome and hand kopf the kind of error it acts on."""
+    try:
+        yield
+    except RetryableError as exc:
+        state.metrics.reconciles.labels("retryable").inc()
+        raise kopf.TemporaryError(str(exc), delay=exc.delay) from exc
+    except PermanentError as exc:
+        state.metrics.reconciles.labels("permanent").inc()
+        raise kopf.PermanentError(str(exc)) from exc
+    state.metrics.reconciles.labels("ok").inc()
+
+
+def _reconcile(body: Mapping[str, Any], state: OperatorState) -> None:
+    with _kopf_errors(state):
+        reconcile(state.kube, body, state.default_image, rfc3339(time.time()))
+
+
+def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP, VERSION, SERVICE_PLURAL)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.posting.level = logging.INFO
+        settings.watching.server_timeout = 300
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, registry=registry)
+    def on_service(body: kopf.Body, memo: Any, **_: Any) -> None:
+        _reconcile(body, memo)
+
+    # Level-based: children's readiness changes are picked up on this resync, whatever
+    # events were missed.
+    @kopf.timer(*resource, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+    def resync(body: kopf.Body, memo: Any, **_: Any) -> None:
+        _reconcile(body, memo)
+
+    @kopf.timer(*resource, interval=planner_seconds, registry=registry, id="planner")
+    def planner(body: kopf.Body, memo: Any, namespace: str | None, name: str, **_: Any) -> None:
+        state: OperatorState = memo
+        try:
+            spec = parse_service(body, state.default_image)
+        except SpecError:
+            return  # the reconcile reports it
+        key = (str(namespace), name)
+
+        def emit(type_: str, reason: str, message: str) -> None:
+            kopf.event(body, type=type_, reason=reason, message=message)
+
+        if not autoscaled_pools(spec):
+            return
+        with _kopf_errors(state):
+            state.samples[key] = plan_service(
+                state.kube,
+                spec,
+                scrape_routers(state.kube, spec),
+                body.get("status") or {},
+                state.samples.get(key),
+                state.metrics,
+                emit,
+                time.time(),
+            )
+
+    @kopf.on.field(GROUP, VERSION, POOL_PLURAL, field="spec.replicas", registry=registry)
+    def on_pool_scaled(spec: kopf.Spec, namespace: str | None, memo: Any, **_: Any) -> None:
+        """A pool was scaled (HPA, KEDA, kubectl, the planner): resize its worker group now
+        rather than at the next resync."""
+        state: OperatorState = memo
+        service = str(spec.get("service"))
+        owner = state.kube.get(API_VERSION, SERVICE_KIND, str(namespace), service)
+        if owner is not None:
+            _reconcile(owner, state)
+
+    @kopf.on.delete(*resource, registry=registry, optional=True)
+    def on_delete(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+        """Children go with their owner (garbage collection); only forget the planner's
+        window."""
+        memo.samples.pop((str(namespace), name), None)
+
+    return registry

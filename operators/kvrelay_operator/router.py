@@ -1,0 +1,159 @@
+"""The router's Deployment and Service: the pods clients talk to, which drive the Ray pools.
+
+The router is stateless between requests, so it is an ordinary Deployment; it reaches the
+Ray cluster through KubeRay's head Service and manages the worker actors itself.
+"""
+
+from __future__ import annotations
+
+from kvrelay_operator import podparts
+from kvrelay_operator.names import (
+    GRPC_PORT,
+    HTTP_PORT,
+    RAY_CLIENT_PORT,
+    labels,
+    ray_head_service,
+    router_name,
+    selector_labels,
+)
+from kvrelay_operator.podparts import Obj
+from kvrelay_operator.spec import ServiceSpec
+
+API_KEY_ENV = "KVRELAY_API_KEY"
+
+
+def router_command(spec: ServiceSpec) -> list[str]:
+    """The router's command line (the `kvrelay router` contract)."""
+    command = [
+        "kvrelay",
+        "router",
+        "--ray-address",
+        f"ray://{ray_head_service(spec.name)}:{RAY_CLIENT_PORT}",
+        "--model",
+        podparts.model_arg(spec),
+        "--http-host",
+        "0.0.0.0",  # inside a pod: the Service and probes reach it on the pod IP
+        "--http-port",
+        str(HTTP_PORT),
+        "--grpc-host",
+        "0.0.0.0",
+        "--grpc-port",
+        str(GRPC_PORT),
+        "--manage-workers",
+        "--transfer-backend",
+        spec.transfer_backend,
+    ]
+    if spec.router.api_key_secret:
+        command += ["--api-key-env", API_KEY_ENV]
+    return command + list(spec.engine_args)
+
+
+def _router_env(spec: ServiceSpec) -> list[Obj]:
+    env = podparts.base_env(spec, "router")
+    if spec.router.api_key_secret:
+        env.append(
+            {
+                "name": API_KEY_ENV,
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": spec.router.api_key_secret,
+                        "key": spec.router.api_key_key,
+                    }
+                },
+            }
+        )
+    return env
+
+
+def desired_router_deployment(spec: ServiceSpec) -> Obj:
+    resources = podparts.resources(spec.router.placement)
+    container: Obj = {
+        "name": "router",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": router_command(spec),
+        "env": _router_env(spec),
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+        ],
+        # /health is 503 while no worker is up: that takes the pod out of the Service but must
+        # not restart it, so liveness only checks that the process answers at all.
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "startupProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 60,
+        },
+        "volumeMounts": podparts.volume_mounts(spec),
+        "securityContext": podparts.container_security(),
+    }
+    if resources:
+        container["resources"] = resources
+    pod_spec = podparts.place(
+        {
+            "securityContext": podparts.pod_security(),
+            "containers": [container],
+            "volumes": podparts.volumes(spec),
+        },
+        spec.router.placement,
+    )
+    init = podparts.init_containers(spec, resources)
+    if init:
+        pod_spec["initContainers"] = init
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": router_name(spec.name),
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, "router"),
+        },
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector_labels(spec.name, "router")},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": {
+                "metadata": {"labels": labels(spec.name, "router")},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def desired_router_service(spec: ServiceSpec) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": router_name(spec.name),
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, "router"),
+        },
+        "spec": {
+            "type": spec.router.service_type,
+            "selector": selector_labels(spec.name, "router"),
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def endpoint(spec: ServiceSpec, load_balancer_host: str = "") -> str:
+    """The OpenAI base URL: the load balancer's when it has one, else the in-cluster name."""
+    host = load_balancer_host or f"{router_name(spec.name)}.{spec.namespace}.svc"
+    return f"http://{host}:{HTTP_PORT}/v1"

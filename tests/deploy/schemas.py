@@ -1,0 +1,205 @@
+"""Validation helpers shared by the chart and operator tests.
+
+Built-in kinds are checked strictly with kubernetes-validate for every supported Kubernetes
+version; our custom resources against the chart's CRD schemas (jsonschema, after the API
+server's structural defaulting); KubeRay's RayCluster and prometheus-operator's
+ServiceMonitor, whose CRDs are not available offline, through their pod templates
+(strictly, as PodTemplates) and a schema of the fields we set.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "kvrelay"
+CRD_DIR = CHART / "crds"
+KUBE_VERSIONS = ("1.29", "1.30", "1.31", "1.32", "1.33")
+
+Obj = dict[str, Any]
+
+
+@cache
+def crds() -> dict[str, Obj]:
+    """Kind -> CRD object, read from the chart (the single source the cluster gets)."""
+    out = {}
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        out[crd["spec"]["names"]["kind"]] = crd
+    return out
+
+
+def crd_schema(kind: str) -> Obj:
+    return crds()[kind]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(schema: Obj, value: Any) -> Any:
+    """Structural defaulting as the API server does it: a missing property with a default
+    gets it, then defaults inside it apply too."""
+    value = copy.deepcopy(value)
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = apply_defaults(sub, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        value = [apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+def strict(schema: Any) -> Any:
+    """The schema with unknown fields forbidden, as `fieldValidation=Strict` (kubectl's
+    default) rejects them where the API server would otherwise prune them silently."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: strict(v) if k in ("properties", "items", "additionalProperties") else v
+        for k, v in schema.items()
+    }
+    if "properties" in out:
+        out["properties"] = {k: strict(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+@cache
+def _custom_validator(kind: str) -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(strict(crd_schema(kind)))
+
+
+def validate_custom(obj: Obj) -> Obj:
+    """Default and validate one of our custom resources; returns the defaulted object.
+
+    Raises:
+        jsonschema.ValidationError: the object does not fit its CRD.
+    """
+    defaulted = apply_defaults(crd_schema(obj["kind"]), obj)
+    _custom_validator(obj["kind"]).validate(defaulted)
+    return defaulted
+
+
+_SERVICE_MONITOR = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {"type": "object", "required": ["matchLabels"]},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port"],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "honorLabels": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+# The RayCluster fields we set (ray.io/v1), as KubeRay's CRD types them.
+_RAY_GROUP = {
+    "type": "object",
+    "required": ["rayStartParams", "template"],
+    "properties": {
+        "rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}},
+        "template": {"type": "object"},
+    },
+}
+_RAYCLUSTER = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "ray.io/v1"},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["headGroupSpec", "workerGroupSpecs"],
+            "properties": {
+                "rayVersion": {"type": "string"},
+                "enableInTreeAutoscaling": {"type": "boolean"},
+                "headGroupSpec": {
+                    "allOf": [_RAY_GROUP],
+                    "properties": {"serviceType": {"type": "string"}},
+                },
+                "workerGroupSpecs": {
+                    "type": "array",
+                    "items": {
+                        "allOf": [_RAY_GROUP],
+                        "required": ["groupName", "replicas", "minReplicas", "maxReplicas"],
+                        "properties": {
+                            "groupName": {"type": "string"},
+                            "replicas": {"type": "integer", "minimum": 0},
+                            "minReplicas": {"type": "integer", "minimum": 0},
+                            "maxReplicas": {"type": "integer", "minimum": 0},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def _validate_raycluster(obj: Obj, version: str) -> None:
+    jsonschema.Draft7Validator(_RAYCLUSTER).validate(obj)
+    groups = [obj["spec"]["headGroupSpec"], *obj["spec"]["workerGroupSpecs"]]
+    for group in groups:
+        template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": group["template"],
+        }
+        kubernetes_validate.validate(template, version, strict=True)
+    for group in obj["spec"]["workerGroupSpecs"]:
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group
+
+
+def validate_object(obj: Obj, version: str) -> None:
+    """Validate any object the chart or the operator produces, for one Kubernetes version.
+
+    Raises:
+        jsonschema.ValidationError (kubernetes_validate.ValidationError is one): invalid.
+    """
+    kind = obj["kind"]
+    if obj["apiVersion"].startswith("kvrelay.io/"):
+        validate_custom(obj)
+    elif kind == "RayCluster":
+        _validate_raycluster(obj, version)
+    elif kind == "ServiceMonitor":
+        jsonschema.Draft7Validator(_SERVICE_MONITOR).validate(obj)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]},
+            version,
+            strict=True,
+        )
+    else:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def validate_everywhere(obj: Obj) -> None:
+    for version in KUBE_VERSIONS:
+        validate_object(obj, version)
