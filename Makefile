@@ -21,8 +21,9 @@ setup: $(STAMP)
 model: setup
 	$(VENV)/bin/kvrelay model pull-default
 
+# The whole platform on this machine: Ray, 1 prefill + 1 decode worker, router, HTTP + gRPC.
 serve: model
-	$(VENV)/bin/kvrelay chat
+	$(VENV)/bin/kvrelay serve
 
 lint: setup
 	$(VENV)/bin/ruff check .

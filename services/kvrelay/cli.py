@@ -239,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": cli_serve.cmd_serve,
         "router": cli_serve.cmd_router,
         "worker": cli_serve.cmd_worker,
+        "operator": cli_serve.cmd_operator,
     }
     try:
         return handlers[ns.command](ns)

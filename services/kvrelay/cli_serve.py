@@ -135,6 +135,22 @@ def build_serve_parsers(commands: Any) -> None:
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     worker.add_argument("--ray-address", default="auto", help="the Ray cluster (default auto)")
 
+    operator = commands.add_parser(
+        "operator",
+        help="run the Kubernetes operator (KVRelayService -> RayCluster, router, pools)",
+        description="Reconcile KVRelayService resources into running deployments and scale "
+        "their pools toward their SLO targets. Runs in the cluster (see deploy/helm/kvrelay).",
+    )
+    from kvrelay_operator.app import add_operator_arguments
+
+    add_operator_arguments(operator)
+
+
+def cmd_operator(ns: argparse.Namespace) -> int:
+    from kvrelay_operator.app import run_operator
+
+    return run_operator(ns)
+
 
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
     args = EngineArgs.from_cli_args(ns)

@@ -78,28 +78,38 @@ class WorkerManager:
         self.roles = tuple(roles)
 
     def reconcile(self) -> dict[str, int]:
-        """Start the workers missing from each pool; returns how many were started."""
+        """Start the workers missing from each pool; returns how many were started.
+
+        Worker i of a pool is always named `kvrelay-<role>-<i>`: two routers reconciling at
+        once try to create the same names, and Ray lets only one of them succeed.
+        """
         import ray
 
         started: dict[str, int] = {}
         resources = ray.cluster_resources()
-        live = _named_workers()
+        live = {name for names in _named_workers().values() for name in names}
         for role in self.roles:
             want = int(resources.get(resource_name(role), 0))
-            missing = want - len(live[role])
-            for _ in range(max(0, missing)):
-                spawn_worker(
-                    self.engine_args,
-                    role,
-                    self.transfer_backend,
-                    self.num_threads,
-                    name=worker_name(role),
-                    namespace=NAMESPACE,
-                    resources={resource_name(role): 1},
-                )
-            started[role] = max(0, missing)
-            if missing > 0:
-                logger.info("started %d %s worker(s) (%d wanted)", missing, role, want)
+            started[role] = 0
+            for index in range(want):
+                name = f"kvrelay-{role}-{index}"
+                if name in live:
+                    continue
+                try:
+                    spawn_worker(
+                        self.engine_args,
+                        role,
+                        self.transfer_backend,
+                        self.num_threads,
+                        name=name,
+                        namespace=NAMESPACE,
+                        resources={resource_name(role): 1},
+                    )
+                except ValueError:  # another router created it first
+                    continue
+                started[role] += 1
+            if started[role]:
+                logger.info("started %d %s worker(s) (%d wanted)", started[role], role, want)
         return started
 
     async def run(self, interval_s: float = 5.0) -> None:
