@@ -1,0 +1,79 @@
+"""Workers that die under a real router: the dead one leaves routing; a request that streamed
+nothing yet is retried elsewhere, one that did fails as UNAVAILABLE; with no worker left,
+requests are refused as UNAVAILABLE."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.models.tokenizer import load_tokenizer
+from kvrelay.router.errors import UnavailableError
+from kvrelay.router.relay import RelayConfig
+from kvrelay.router.router import ModelCard, Router
+from kvrelay.router.types import GenerateChunk, GenerateRequest
+from kvrelay.router.workers import WorkerRegistry
+from kvrelay.worker.pools import Pools
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+async def collect(chunks: AsyncIterator[GenerateChunk]) -> str:
+    return "".join([c.text async for chunk in chunks for c in chunk.choices])
+
+
+async def test_dead_workers_leave_routing(default_model_dir: Path) -> None:
+    import ray
+
+    tokenizer = load_tokenizer(default_model_dir)
+    pools = Pools.start(
+        str(default_model_dir),
+        1,
+        1,
+        engine_kwargs={"kv_cache_memory": "64MiB", "max_model_len": 1024},
+        num_threads=1,
+    )
+    try:
+        registry = WorkerRegistry()
+        for worker in pools.workers:
+            await registry.add(worker)
+        card = ModelCard("m", 1024, int(time.time()))
+        relay = RelayConfig(max_local_prefill_tokens=0)  # every prompt goes to prefill first
+        router = Router.create(registry, tokenizer, card, relay, max_in_flight=4, max_queued=4)
+
+        def request(prompt: str, tokens: int) -> GenerateRequest:
+            ids = list(tokenizer(prompt)["input_ids"])
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            return GenerateRequest(f"r{time.monotonic_ns()}", ids, params)
+
+        # The prefill worker dies: the request had streamed nothing, so it is retried, and
+        # with no prefill pool left it runs whole on the decode worker.
+        ray.kill(pools.prefill_workers[0])
+        text = await collect(router.generate(request("The capital of France is", 4)))
+        assert text.startswith(" Paris")
+        assert registry.roles() == {"decode"}
+        decisions = router.metrics.decisions
+        assert decisions.labels("decode_only")._value.get() == 1
+
+        # The decode worker dies mid-stream: the tokens already streamed cannot be taken
+        # back, so the request fails as UNAVAILABLE.
+        stream = router.generate(request("Tell me a long story.", 500))
+        first = await anext(stream)
+        assert first.choices and first.choices[0].token_ids
+        ray.kill(pools.decode_workers[0])
+        with pytest.raises(UnavailableError, match="streamed tokens"):
+            async for _ in stream:
+                pass
+        assert registry.roles() == set()
+
+        # Nothing left to serve with: refused at once, and not ready.
+        assert not router.is_ready()
+        with pytest.raises(UnavailableError, match="no worker"):
+            router.admit(request("Hello", 2))
+        assert router.admission.in_flight == 0 and router.admission.queued == 0
+    finally:
+        pools.shutdown()
