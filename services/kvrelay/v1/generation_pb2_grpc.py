@@ -50,9 +50,9 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generates one request's samples. With `stream` set, one response per step carries the new
-        tokens of each sample (deltas); otherwise one response carries them all. The last response
-        has every sample's finish reason and the usage.
+        """Generates one request's samples. With `stream` set, each response carries the new tokens
+        of the samples that have some (deltas), a sample's finish reason arriving with its last
+        tokens; otherwise one response carries them all. The last response carries the usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
