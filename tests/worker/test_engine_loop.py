@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.worker.actor import EngineWorker
@@ -62,3 +64,20 @@ def test_abort_mid_stream_frees_the_blocks(tiny_llama_dir: Path) -> None:
         assert stats.num_running == 0 and stats.num_waiting == 0
     finally:
         worker.shutdown()
+
+
+def test_engine_flags_from_the_environment_override_per_pool() -> None:
+    from kvrelay.worker.engine_builder import apply_env_overrides
+
+    base = EngineArgs(model="m", max_num_seqs=128, block_size=16)
+    env = {"KVRELAY_ENGINE_ARGS": "--max-num-seqs 8 --kv-cache-memory 2GiB --no-prefix-caching"}
+    tuned = apply_env_overrides(base, env)
+    assert (tuned.max_num_seqs, tuned.kv_cache_memory, tuned.enable_prefix_caching) == (
+        8,
+        "2GiB",
+        False,
+    )
+    assert tuned.block_size == 16 and tuned.model == "m"  # flags not given keep their values
+    assert apply_env_overrides(base, {}) == base
+    with pytest.raises(ValueError, match="KVRELAY_ENGINE_ARGS"):
+        apply_env_overrides(base, {"KVRELAY_ENGINE_ARGS": "--no-such-flag 1"})

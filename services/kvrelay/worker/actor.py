@@ -17,7 +17,7 @@ from kvrelay.engine.sampling import SamplingParams
 from kvrelay.transfer.base import KVConnector, PeerMetadata
 from kvrelay.transfer.factory import create_connector
 from kvrelay.worker.deltas import DeltaTracker, OutputDelta
-from kvrelay.worker.engine_builder import build_engine
+from kvrelay.worker.engine_builder import apply_env_overrides, build_engine
 from kvrelay.worker.engine_loop import EngineLoop
 
 
@@ -47,7 +47,7 @@ class EngineWorker:
         connector_options: dict[str, Any] | None = None,
     ) -> None:
         args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs(**engine_args)
-        args = dataclasses.replace(args, role=role, num_threads=num_threads)
+        args = dataclasses.replace(apply_env_overrides(args), role=role, num_threads=num_threads)
         torch.set_num_threads(num_threads)
         self.role = role
         self.engine = build_engine(args)
