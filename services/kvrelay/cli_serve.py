@@ -193,11 +193,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine_args.resolve_model_path()  # fail fast (and fetch the default model) before Ray
     num_workers = ns.num_decode if ns.colocated else ns.num_prefill + ns.num_decode
     threads = ns.worker_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    transfer = ns.transfer_backend
+    if transfer == "auto":
+        from kvrelay.transfer.factory import nixl_available
+
+        transfer = "nixl" if nixl_available() else "grpc"
     pools_text = (
         f"{ns.num_decode} colocated worker(s)"
         if ns.colocated
         else f"{ns.num_prefill} prefill + {ns.num_decode} decode worker(s), "
-        f"{ns.transfer_backend} KV relay"
+        f"KV relay over {transfer}"
     )
     print(f"kvrelay: starting {pools_text} on Ray...", flush=True)
     pools = Pools.start(
