@@ -180,7 +180,18 @@ def test_every_dashboard_query_runs_on_prometheus(server: Any, prometheus: str) 
         data = _query(prometheus, "/api/v1/query", {"query": total})
         return float(data["result"][0]["value"][1]) if data["result"] else 0.0
 
-    time.sleep(2)  # a scrape before the load, so rate() sees the counters move
+    def router_scrapes() -> int:
+        query = 'count_over_time(up{job="router"}[5m])'
+        data = _query(prometheus, "/api/v1/query", {"query": query})
+        return int(float(data["result"][0]["value"][1])) if data["result"] else 0
+
+    # One request first, so every series exists before the load, then a few scrapes of it:
+    # rate() only sees increases between samples, and a fresh Prometheus takes a few seconds
+    # to scrape a new target for the first time (the load alone can finish before that).
+    _load(server.http_url, requests=1, concurrency=1)
+    deadline = time.monotonic() + 60
+    while router_scrapes() < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
     before = requests_seen()
     start = time.time()
     _load(server.http_url, requests=16)
