@@ -2,8 +2,10 @@
 """kvrelay vs llama.cpp on one workload: each server started here, measured alone, stopped.
 
 (a) `kvrelay serve` disaggregated (1 prefill + 1 decode worker), (b) `kvrelay serve
---colocated`, (c) llama.cpp's OpenAI server on the same model's GGUF (2 threads), when a
-Python with `llama_cpp` is given. Same random prompts (fixed seed), streamed, fixed output
+--colocated`, (c) llama-cpp-python's OpenAI server on the same model's GGUF (2 threads), when a
+Python with `llama_cpp` is given, and (d) llama.cpp's C++ `llama-server` with 16 parallel
+slots and continuous batching, when its binary is given (the stronger peer: ratios are taken
+to it when it ran). Same random prompts (fixed seed), streamed, fixed output
 lengths, --max-concurrency 16. Prints each server's vLLM-style table, then one comparison
 table with the ratios to llama.cpp measured in the same run (the machine is shared and noisy:
 the ratios are the result, not the absolute numbers).
@@ -27,10 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from serve import add_workload_args, benchmark_one, make_requests
-from serving.servers import RunningServer, ServerSpec, kvrelay_spec, llama_cpp_spec
+from serving.servers import (
+    RunningServer,
+    ServerSpec,
+    kvrelay_spec,
+    llama_cpp_spec,
+    llama_server_spec,
+)
 
-SERVERS = ("disaggregated", "colocated", "llama.cpp")
+SERVERS = ("disaggregated", "colocated", "llama.cpp", "llama-server")
 LLAMA = "llama.cpp"
+LLAMA_SERVER = "llama.cpp server"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a Python with llama-cpp-python[server]; without it llama.cpp is skipped",
     )
+    add(
+        "--llama-server",
+        default=None,
+        help="llama.cpp's llama-server binary (cmake --build build --target llama-server); "
+        "without it that peer is skipped",
+    )
+    add("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")
     add("--gguf", default=None, help="GGUF for llama.cpp (default: the default model's source)")
     add("--llama-cpp-threads", type=int, default=2, help="llama.cpp --n_threads (default 2)")
     add("--ready-timeout", type=float, default=600.0, help="seconds to wait for each server")
@@ -117,6 +133,16 @@ def plan(args: argparse.Namespace) -> list[ServerSpec]:
             specs.append(
                 llama_cpp_spec(args.llama_cpp_python, gguf, args.llama_cpp_threads, eos_ids(args))
             )
+    if "llama-server" in wanted:
+        if args.llama_server is None or not Path(args.llama_server).is_file():
+            print("skipping llama-server: give --llama-server PATH to llama.cpp's binary")
+        else:
+            gguf = Path(args.gguf) if args.gguf else default_gguf()
+            specs.append(
+                llama_server_spec(
+                    args.llama_server, gguf, args.llama_cpp_threads, args.llama_parallel
+                )
+            )
     return specs
 
 
@@ -125,12 +151,14 @@ def _ratio(value: float, base: float | None) -> str:
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
-    """Markdown: output tok/s, median TTFT and TPOT per server, each with its ratio to
-    llama.cpp (throughput: higher is better; latencies: lower is better)."""
-    base = results.get(LLAMA)
+    """Markdown: output tok/s, median TTFT and TPOT per server, each with its ratio to the
+    llama.cpp peer — llama-server when it ran, else llama-cpp-python (throughput: higher is
+    better; latencies: lower is better)."""
+    peer = LLAMA_SERVER if LLAMA_SERVER in results else LLAMA
+    base = results.get(peer)
     rows = [
-        "| server | output tok/s | vs llama.cpp | median TTFT ms | vs llama.cpp "
-        "| median TPOT ms | vs llama.cpp | ok/failed |",
+        f"| server | output tok/s | vs {peer} | median TTFT ms | vs {peer} "
+        f"| median TPOT ms | vs {peer} | ok/failed |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():

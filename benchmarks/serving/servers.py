@@ -57,6 +57,19 @@ def llama_cpp_spec(python: str, gguf: Path, threads: int, eos_ids: list[int]) ->
     )
 
 
+def llama_server_spec(binary: str, gguf: Path, threads: int, parallel: int) -> ServerSpec:
+    """llama.cpp's own C++ `llama-server` with `parallel` slots and continuous batching: the
+    strongest llama.cpp peer (llama-cpp-python's server runs one request at a time)."""
+    port = free_port()
+    command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    # -c is the context of all slots together: 1024 tokens each.
+    command += ["-t", str(threads), "--parallel", str(parallel), "-c", str(1024 * parallel)]
+    command += ["--cont-batching", "--no-webui"]
+    return ServerSpec(
+        "llama.cpp server", command, f"http://127.0.0.1:{port}", "/health", {"ignore_eos": True}
+    )
+
+
 class RunningServer:
     """`with RunningServer(spec, log_dir) as server:` — started, ready, then stopped."""
 
