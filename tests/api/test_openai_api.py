@@ -12,7 +12,7 @@ import pytest
 
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.llm import LLM
-from tests.api.metrics import scrape
+from tests.api.metrics import pools_idle, scrape, wait_for
 from tests.servers import ServerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -236,3 +236,22 @@ def post(server: ServerProcess, path: str, data: bytes) -> tuple[int, dict[str, 
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def test_a_stop_string_aborts_the_worker(
+    client: openai.OpenAI, kvrelay_server: ServerProcess
+) -> None:
+    """The router matches stop strings; the worker, told nothing of them, must be aborted
+    when one matches, not left generating 1000 tokens nobody reads."""
+    wait_for(kvrelay_server, pools_idle)
+    reply = client.completions.create(
+        model=kvrelay_server.model,
+        prompt="1, 2, 3, 4,",
+        max_tokens=1000,
+        temperature=0,
+        stop=[" 9"],
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    idle = wait_for(kvrelay_server, pools_idle, timeout_s=5)
+    assert pools_idle(idle), idle.samples

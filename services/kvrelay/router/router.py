@@ -184,7 +184,7 @@ class Router:
                 queue.put_nowait(_DONE)
 
         tasks = [asyncio.create_task(run_sample(run)) for run in runs]
-        timer = _Timer(arrival)
+        timer = _Timer(arrival, admitted=time.monotonic())
         try:
             async with asyncio.timeout(request.timeout_s):
                 async for choices in _merge(queue, len(tasks)):
@@ -243,7 +243,7 @@ class Router:
         m.e2e.labels(model).observe(now - timer.arrival)
         if timer.first is not None:
             m.ttft.labels(model).observe(timer.first - timer.arrival)
-            m.prefill_time.labels(model).observe(timer.first - timer.arrival)
+            m.prefill_time.labels(model).observe(timer.first - timer.admitted)
             m.decode_time.labels(model).observe(now - timer.first)
             for gap in timer.gaps:
                 m.itl.labels(model).observe(gap)
@@ -270,8 +270,9 @@ class Router:
 class _Timer:
     """TTFT and inter-token gaps of sample 0, as the client sees them."""
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, arrival: float, admitted: float) -> None:
         self.arrival = arrival
+        self.admitted = admitted  # out of the admission queue
         self.first: float | None = None
         self.last = arrival
         self.gaps: list[float] = []
