@@ -4,6 +4,8 @@ is enough and 300 MB smaller). Import only; no agent is created here."""
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from types import ModuleType
 from typing import Any
 
@@ -20,9 +22,14 @@ def load_nixl_api() -> ModuleType:
     errors: list[str] = []
     for name in _CANDIDATES:
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError as exc:  # a missing module, or a variant that cannot load here
             errors.append(f"{name}: {exc}")
+            continue
+        if "NIXL_LOG_LEVEL" not in os.environ:
+            # NIXL logs every agent's start at INFO on each worker; keep its warnings only.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
     raise ImportError(
         "NIXL is not installed (pip install nixl-cu12), or cannot load: "
         + "; ".join(errors)

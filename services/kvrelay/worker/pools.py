@@ -98,7 +98,9 @@ class Pools:
         owns_ray = False
         if not ray.is_initialized():
             if address is None:
-                ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+                ray.init(
+                    num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING
+                )
             else:
                 ray.init(address=address)
             owns_ray = True
