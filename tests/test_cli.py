@@ -20,10 +20,14 @@ def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProces
 def test_help_explains_every_command() -> None:
     out = run(["--help"])
     assert out.returncode == 0
-    for command in ("generate", "chat", "model"):
+    for command in ("generate", "chat", "serve", "router", "worker", "operator", "model"):
         assert command in out.stdout
     gen = run(["generate", "--help"])
     assert "--max-num-batched-tokens" in gen.stdout and "token budget" in gen.stdout
+    serve = run(["serve", "--help"])
+    for flag in ("--colocated", "--num-prefill", "--http-port", "--grpc-port", "--ray-address"):
+        assert flag in serve.stdout
+    assert "kvrelay serve --colocated" in serve.stdout  # the examples
 
 
 @pytest.mark.slow
@@ -63,3 +67,17 @@ def test_bad_arguments_exit_with_a_clear_message(tmp_path: Path) -> None:
     missing = run(["generate", "hi", "--model", str(tmp_path / "nope")])
     assert missing.returncode == 2
     assert "not found" in missing.stderr
+
+
+def test_serve_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay.cli import build_parser
+    from kvrelay.cli_serve import _server_config
+
+    parser = build_parser()
+    monkeypatch.delenv("KVRELAY_API_KEY", raising=False)
+    assert _server_config(parser.parse_args(["serve"])).api_key is None
+    monkeypatch.setenv("KVRELAY_API_KEY", "from-env")
+    assert _server_config(parser.parse_args(["serve"])).api_key == "from-env"
+    flagged = parser.parse_args(["serve", "--api-key", "from-flag", "--http-port", "9000"])
+    config = _server_config(flagged)
+    assert (config.api_key, config.http_port, config.http_host) == ("from-flag", 9000, "127.0.0.1")

@@ -36,6 +36,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--grpc-host", default="127.0.0.1", help="gRPC API address (default 127.0.0.1)")
     add("--grpc-port", type=int, default=50051, help="gRPC API port (default 50051)")
     add(
+        "--api-key",
+        default=None,
+        help="the API key clients must send (Authorization: Bearer KEY); prefer --api-key-env, "
+        "which keeps it out of the process list",
+    )
+    add(
         "--api-key-env",
         default="KVRELAY_API_KEY",
         help="environment variable holding the API key clients must send; unset or empty "
@@ -167,7 +173,7 @@ def _server_config(ns: argparse.Namespace) -> Any:
         ns.http_port,
         ns.grpc_host,
         ns.grpc_port,
-        os.environ.get(ns.api_key_env) or None,
+        ns.api_key or os.environ.get(ns.api_key_env) or None,
         ns.drain_timeout,
     )
 
