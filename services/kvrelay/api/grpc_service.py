@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,8 +10,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvrelay.api.auth import check_api_key
 from kvrelay.api.grpc_convert import response_message, to_request
-from kvrelay.router.errors import OverloadedError, RouterError, Status
+from kvrelay.router.errors import OverloadedError, RouterError
 from kvrelay.router.router import Router
 from kvrelay.router.types import ChoiceDelta, GenerateChunk
 from kvrelay.v1 import generation_pb2 as pb
@@ -54,16 +54,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.ListModelsResponse(models=[model])
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        if self.api_key is None:
-            return
         metadata = dict(context.invocation_metadata() or ())
-        given = str(metadata.get("authorization", "")).removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            raise _Unauthenticated("invalid or missing API key: send 'authorization: Bearer KEY'")
-
-
-class _Unauthenticated(RouterError):
-    status = Status.UNAUTHENTICATED
+        header = str(metadata.get("authorization", ""))
+        check_api_key(header, self.api_key, "authorization: Bearer KEY")
 
 
 async def _collect(chunks: AsyncIterator[GenerateChunk], request_id: str) -> GenerateChunk:

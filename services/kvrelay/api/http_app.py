@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -15,10 +14,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvrelay.api.auth import check_api_key
 from kvrelay.api.disconnect import ClientGoneError, EventStreamResponse, until_disconnected
 from kvrelay.api.openai_format import OpenAIFormatter, error_body, router_error_body
 from kvrelay.api.openai_protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from kvrelay.router.errors import OverloadedError, RouterError, Status
+from kvrelay.router.errors import OverloadedError, RouterError
 from kvrelay.router.prompts import encode_prompt, render_chat, sampling_params
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest
@@ -29,14 +29,11 @@ def create_http_app(router: Router, api_key: str | None = None) -> FastAPI:
     _add_error_handlers(app)
     tokenizer = router.tokenizer
 
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise _Unauthorized("invalid or missing API key: send 'Authorization: Bearer KEY'")
+    async def authenticate(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        check_api_key(header, api_key, "Authorization: Bearer KEY")
 
-    v1 = [Depends(check_api_key)]
+    v1 = [Depends(authenticate)]
 
     @app.get("/health")
     async def health() -> Response:
@@ -137,10 +134,6 @@ async def _respond(
     finally:
         ticket.release()
     return JSONResponse(whole)
-
-
-class _Unauthorized(RouterError):
-    status = Status.UNAUTHENTICATED
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -63,6 +63,7 @@ class Router:
         self.admission = admission
         self.metrics = metrics
         self.draining = False
+        self._vocab_size = len(tokenizer)  # added tokens included; once, not per request
 
     @classmethod
     def create(
@@ -110,8 +111,7 @@ class Router:
                 f"context length {limit}: lower max_tokens",
                 "max_tokens",
             )
-        vocab = getattr(self.tokenizer, "vocab_size", None)
-        if vocab and any(not 0 <= t < len(self.tokenizer) for t in request.prompt_token_ids):
+        if any(not 0 <= t < self._vocab_size for t in request.prompt_token_ids):
             raise InvalidRequestError("prompt token ids must be in [0, vocab size)", "prompt")
 
     def admit(self, request: GenerateRequest) -> Ticket:
