@@ -49,7 +49,7 @@ class Worker:
 
     def pull(self, engine_id: str, remote: list[int], local: list[int]) -> float:
         """Seconds from pull start to every byte landed."""
-        from kvrelay.engine.kv_handle import KVHandle, PullPlan
+        from kvrelay.messages import KVHandle, PullPlan
 
         handle = KVHandle(engine_id, 1, "bench", tuple(remote), 0, (), 0)
         plan = PullPlan("bench", tuple(remote), tuple(local))

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import KVHandle, PullPlan
 from tests.engine.conftest import TINY_VOCAB, EngineFactory, assert_pool_whole, run_to_completion
 
 

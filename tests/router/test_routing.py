@@ -7,13 +7,12 @@ from collections import Counter
 
 import pytest
 
-from kvrelay.engine.engine import EngineStats
+from kvrelay.messages import EngineStats, WorkerInfo
 from kvrelay.router.decision import Decision, decide
 from kvrelay.router.errors import UnavailableError
 from kvrelay.router.policy import RouteQuery, RoutingPolicy
 from kvrelay.router.prefix_index import PrefixIndex
 from kvrelay.router.workers import WorkerState
-from kvrelay.worker.actor import WorkerInfo
 
 
 def worker(

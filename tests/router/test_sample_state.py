@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import SampleDelta
 from kvrelay.models.tokenizer import load_tokenizer
 from kvrelay.router.sample_state import SampleState
-from kvrelay.worker.deltas import SampleDelta
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
-from kvrelay.transfer.base import KVConnector, PeerMetadata, TransferError
+from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
+from kvrelay.transfer.base import KVConnector, TransferError
 from kvrelay.transfer.factory import create_connector
 
 # A tiny model's block: [layers=2, K/V, block 4, heads 2, dim 8] fp32 = 512 bytes.

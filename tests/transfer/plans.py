@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
+from kvrelay.messages import KVHandle, PullPlan
 
 # (remote ids, local ids): consecutive (one run), scattered, mixed, into non-identity ids.
 PLANS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {

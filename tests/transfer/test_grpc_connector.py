@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.transfer.base import PeerMetadata, StalePeerError, TransferError
+from kvrelay.messages import PeerMetadata
+from kvrelay.transfer.base import StalePeerError, TransferError
 from kvrelay.transfer.grpc_connector import GrpcConnector
 from tests.transfer.peers import make_kv
 from tests.transfer.plans import PLANS, after_pull, handle_for, plan_for

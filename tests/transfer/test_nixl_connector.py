@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.transfer.base import PeerMetadata, StalePeerError, TransferError
+from kvrelay.messages import PeerMetadata
+from kvrelay.transfer.base import StalePeerError, TransferError
 from kvrelay.transfer.factory import nixl_available
 from kvrelay.transfer.nixl_connector import NixlConnector
 from tests.transfer.peers import make_kv

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import ray
 
-from kvrelay.engine.engine import EngineStats
+from kvrelay.messages import EngineStats
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory
 from tests.worker.conftest import TINY_ENGINE_KWARGS

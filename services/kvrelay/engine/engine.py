@@ -9,7 +9,6 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +16,6 @@ from kvrelay.config import EngineConfig
 from kvrelay.engine.detokenizer import Tokenizer
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager, blocks_needed
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
 from kvrelay.engine.leases import LeaseTable
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.parent_request import ParentRequest
@@ -26,43 +24,9 @@ from kvrelay.engine.runner import CausalLMModel, ModelRunner, SampledToken
 from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
+from kvrelay.messages import EngineStats, KVHandle, PullPlan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load, for routing and metrics.
-
-    The prefix-cache fields are cumulative counters (0 with prefix caching off):
-    `prefix_cache_queries` counts the tokens of every admitted sequence (prompt, plus output
-    when a preempted one is recomputed) and `prefix_cache_hits` those of them found cached, as
-    vLLM counts them; `prefix_cache_evictions` counts cached blocks whose content was dropped
-    to reuse the block. `num_cached_blocks` is a gauge: blocks holding cached content now.
-    """
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    kv_usage: float
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_evictions: int = 0
-    num_cached_blocks: int = 0
-    # Disaggregation: leases held (prefill role), pulls in flight (decode role), and the
-    # cumulative counts of expired leases and of pulls that fell back to recompute.
-    num_leases: int = 0
-    num_pulling: int = 0
-    kv_leases_expired: int = 0
-    kv_pull_fallbacks: int = 0
-    # Requests failed instead of recomputed (kv_transfer_failure="fail"), cumulative.
-    kv_transfer_failures: int = 0
-    # Bytes of KV this engine pulled from prefill engines (decode role), cumulative.
-    kv_bytes_pulled: int = 0
 
 
 class Engine:

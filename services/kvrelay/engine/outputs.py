@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvrelay.engine.kv_handle import KVHandle
+from kvrelay.messages import KVHandle
 
 
 @dataclass

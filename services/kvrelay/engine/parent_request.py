@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from kvrelay.engine.kv_handle import KVHandle
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request
+from kvrelay.messages import KVHandle
 
 
 @dataclass

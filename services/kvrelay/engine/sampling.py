@@ -5,6 +5,7 @@ Validated on construction (ValueError naming the field); holds no tensors and ap
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -205,6 +206,13 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` (of `n`) run as a request of its own: n = 1, and a
+        seeded request's sample draws from seed + index (mod 2**64), so each sample is what a
+        separate request with that seed gives. The one n > 1 fan-out rule (engine and router)."""
+        seed = None if self.seed is None else (self.seed + index) % (_MAX_SEED + 1)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @classmethod
     def greedy(cls, **kwargs: Any) -> SamplingParams:

@@ -16,9 +16,9 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from kvrelay.engine.kv_handle import KVHandle
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import KVHandle
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.decision import Decision, decide
 from kvrelay.router.errors import InvalidRequestError, RouterError, UnavailableError

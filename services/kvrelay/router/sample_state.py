@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import SampleDelta
 from kvrelay.router.types import ChoiceDelta, TokenLogprob
-from kvrelay.worker.deltas import SampleDelta
 
 
 def to_token_logprob(token_id: int, entry: dict[int, float]) -> TokenLogprob:

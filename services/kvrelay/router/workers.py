@@ -15,10 +15,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.engine.engine import EngineStats
+from kvrelay.messages import EngineStats, PeerMetadata, WorkerInfo
 from kvrelay.router.prefix_index import PrefixIndex
-from kvrelay.transfer.base import PeerMetadata
-from kvrelay.worker.actor import WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,10 @@ worker's KV blocks. Implementations: NIXL (UCX) and gRPC; both move raw block by
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
+from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
 
 
 class TransferError(RuntimeError):
@@ -32,21 +31,6 @@ def check_peer_epoch(handle: KVHandle, known_epoch: int | None) -> None:
             f"handle of {handle.engine_id} epoch {handle.epoch}: that engine is {known} "
             "here (it restarted, or add_peer was not called); recompute the prompt"
         )
-
-
-@dataclass(frozen=True)
-class PeerMetadata:
-    """What a decode worker needs to reach a prefill worker's KV tensor.
-
-    `payload` is backend-specific bytes (NIXL agent metadata and memory descriptors, or a gRPC
-    address); `engine_id` and `epoch` match the engine's `KVHandle`s, so a handle from an
-    earlier life of the peer is refused rather than read with stale descriptors.
-    """
-
-    engine_id: str
-    epoch: int
-    backend: str  # "nixl" | "grpc"
-    payload: bytes
 
 
 class KVConnector(ABC):

@@ -11,10 +11,9 @@ import grpc
 import numpy as np
 import torch
 
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
+from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
 from kvrelay.transfer.base import (
     KVConnector,
-    PeerMetadata,
     StalePeerError,
     TransferError,
     check_peer_epoch,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrelay.engine.kv_handle import PullPlan
+from kvrelay.messages import PullPlan
 from kvrelay.transfer.base import TransferError
 
 KV_TENSOR_DIMS = 6  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]

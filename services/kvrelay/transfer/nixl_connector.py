@@ -13,10 +13,9 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
+from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
 from kvrelay.transfer.base import (
     KVConnector,
-    PeerMetadata,
     TransferError,
     check_peer_epoch,
 )

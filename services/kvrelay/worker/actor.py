@@ -10,29 +10,14 @@ from typing import Any
 import torch
 
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.engine import EngineStats
-from kvrelay.engine.kv_handle import KVHandle
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.transfer.base import KVConnector, PeerMetadata
+from kvrelay.messages import EngineStats, KVHandle, OutputDelta, PeerMetadata, Role, WorkerInfo
+from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
-from kvrelay.worker.deltas import DeltaTracker, OutputDelta
+from kvrelay.worker.deltas import DeltaTracker
 from kvrelay.worker.engine_builder import apply_env_overrides, build_engine
 from kvrelay.worker.engine_loop import EngineLoop
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerInfo:
-    """What a router needs to know of a worker once: its role, identity, and how it hashes
-    prompt blocks (so the router can compute the same prefix-cache keys)."""
-
-    role: str
-    engine_id: str
-    epoch: int
-    block_size: int
-    hash_extra_keys: tuple[str, ...]
-    num_blocks: int
-    max_model_len: int
 
 
 class EngineWorker:
@@ -49,7 +34,7 @@ class EngineWorker:
         args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs(**engine_args)
         args = dataclasses.replace(apply_env_overrides(args), role=role, num_threads=num_threads)
         torch.set_num_threads(num_threads)
-        self.role = role
+        self.role = Role(role)
         self.engine = build_engine(args)
         self.connector: KVConnector | None = None
         if role != "both":

@@ -7,31 +7,8 @@ its first token so a receiver can line up streams that overlap (a recompute afte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from kvrelay.engine.kv_handle import KVHandle
 from kvrelay.engine.outputs import RequestOutput
-
-
-@dataclass
-class SampleDelta:
-    index: int
-    start: int  # position of token_ids[0] among the sample's output tokens
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class OutputDelta:
-    request_id: str
-    samples: list[SampleDelta]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int = 0
-    kv_handle: KVHandle | None = None  # prefill role: where the prompt's KV waits
-    metrics: dict[str, float] = field(default_factory=dict)
+from kvrelay.messages import OutputDelta, SampleDelta
 
 
 class DeltaTracker:

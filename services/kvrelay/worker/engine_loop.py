@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.kv_handle import KVHandle, PullPlan
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import KVHandle, PullPlan
 from kvrelay.transfer.base import KVConnector, TransferError
 
 logger = logging.getLogger(__name__)

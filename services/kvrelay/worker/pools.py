@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.engine import EngineStats
-from kvrelay.engine.kv_handle import KVHandle
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import EngineStats, KVHandle
 from kvrelay.worker.actor import EngineWorker
 
 logger = logging.getLogger(__name__)

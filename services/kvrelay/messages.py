@@ -1,0 +1,171 @@
+"""The messages that cross processes: worker roles, KV handles, peer metadata, engine stats,
+worker descriptions and output deltas.
+
+Plain frozen values with no torch import, so a light process (the router, the metrics, the
+operator) can read them without loading the engine. Ray moves them between processes; the KV
+transfer's wire format is protobuf (proto/kvrelay/v1/kv_transfer.proto).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(enum.StrEnum):
+    """What a worker's engine does with a request.
+
+    A StrEnum, so a role read from a flag, an environment variable or a Ray actor name is
+    `Role(text)`, and compares equal to its text.
+    """
+
+    PREFILL = "prefill"  # stop after the first token; hold the prompt's blocks under a lease
+    DECODE = "decode"  # continue requests prefilled elsewhere (pull, then decode), or whole
+    BOTH = "both"  # colocated: prefill and decode in one engine
+
+    @property
+    def pool(self) -> str:
+        """The pool's name in metrics and dashboards ("colocated" for BOTH)."""
+        return "colocated" if self is Role.BOTH else self.value
+
+    @property
+    def has_connector(self) -> bool:
+        """Whether a worker of this role moves KV blocks (registers a KV connector)."""
+        return self is not Role.BOTH
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The id of sample `index` of a request with `n` samples: the request's own id when
+    n == 1. The one id scheme of n > 1 fan-out, in the engine and the router alike."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """A prefilled request's KV, held under a lease by the prefill engine `engine_id`.
+
+    `epoch` identifies that engine's life: a restarted engine has a new one, so a handle
+    from before the restart is never read with the new engine's descriptors.
+    """
+
+    engine_id: str
+    epoch: int
+    request_id: str
+    block_ids: tuple[int, ...]  # the prompt's blocks, in token order
+    num_tokens: int  # tokens whose K/V the blocks hold: the whole prompt
+    block_hashes: tuple[bytes, ...]  # chain hashes of the full blocks (block_hash.py)
+    first_token_id: int  # the token the prefill sampled
+    # Its logprobs as (token id, logprob) pairs, when the request asked for logprobs.
+    first_token_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Which remote blocks a decode engine must fetch, and into which of its own blocks.
+
+    Blocks the decode engine already had in its prefix cache are left out.
+    """
+
+    request_id: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.local_block_ids)
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """What a decode worker needs to reach a prefill worker's KV tensor.
+
+    `payload` is backend-specific bytes (NIXL agent metadata and memory descriptors, or a gRPC
+    address); `engine_id` and `epoch` match the engine's `KVHandle`s, so a handle from an
+    earlier life of the peer is refused rather than read with stale descriptors.
+    """
+
+    engine_id: str
+    epoch: int
+    backend: str  # "nixl" | "grpc"
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load, for routing and metrics.
+
+    The prefix-cache fields are cumulative counters (0 with prefix caching off):
+    `prefix_cache_queries` counts the tokens of every admitted sequence (prompt, plus output
+    when a preempted one is recomputed) and `prefix_cache_hits` those of them found cached, as
+    vLLM counts them; `prefix_cache_evictions` counts cached blocks whose content was dropped
+    to reuse the block. `num_cached_blocks` is a gauge: blocks holding cached content now.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_usage: float
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    num_cached_blocks: int = 0
+    # Disaggregation: leases held (prefill role), pulls in flight (decode role), and the
+    # cumulative counts of expired leases and of pulls that fell back to recompute.
+    num_leases: int = 0
+    num_pulling: int = 0
+    kv_leases_expired: int = 0
+    kv_pull_fallbacks: int = 0
+    # Requests failed instead of recomputed (kv_transfer_failure="fail"), cumulative.
+    kv_transfer_failures: int = 0
+    # Bytes of KV this engine pulled from prefill engines (decode role), cumulative.
+    kv_bytes_pulled: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a router needs to know of a worker once: its role, identity, and how it hashes
+    prompt blocks (so the router can compute the same prefix-cache keys)."""
+
+    role: Role
+    engine_id: str
+    epoch: int
+    block_size: int
+    hash_extra_keys: tuple[str, ...]
+    num_blocks: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    """One sample's news from one engine step: its new tokens, and its finish once it has one."""
+
+    index: int
+    start: int  # position of token_ids[0] among the sample's output tokens
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, top-n
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """What a worker sends for a request after a step: only what is new since the last one.
+
+    Every worker call returns this shape. A prefill worker's last delta carries the
+    `kv_handle` (finished is True then, with no finish_reason: the request goes on elsewhere).
+    Deltas carry token ids and logprobs only: the router detokenizes.
+    """
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    kv_handle: KVHandle | None = None
+    # "arrival_time" and, once a token exists, "first_token_time" (time.monotonic() seconds
+    # on the worker's clock).
+    metrics: dict[str, float] = field(default_factory=dict)
