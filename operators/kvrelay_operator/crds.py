@@ -27,6 +27,24 @@ from kvrelay_operator.schema_parts import (
 MAX_NAME_LENGTH = 40
 
 
+def _autoscaling_rules() -> list[Schema]:
+    """CEL rules across the autoscaling fields (a fresh list: YAML must not alias it)."""
+    return [
+        {
+            "rule": "self.minReplicas <= self.maxReplicas",
+            "message": "minReplicas must not exceed maxReplicas",
+        },
+        {
+            "rule": "self.metric != 'kvUsage' || !self.target.endsWith('s')",
+            "message": "kvUsage takes a ratio such as 0.8, not a duration",
+        },
+        {
+            "rule": "self.metric == 'kvUsage' || self.target.endsWith('s')",
+            "message": "ttft and itl take a duration such as 500ms",
+        },
+    ]
+
+
 def _autoscaling(pool: str) -> Schema:
     """Planner bounds and SLO target of one pool; prefill targets TTFT, decode ITL or KV use."""
     metrics = ["ttft"] if pool == "prefill" else ["itl", "kvUsage"]
@@ -74,20 +92,16 @@ def _autoscaling(pool: str) -> Schema:
                 default=300,
             ),
         },
-        "x-kubernetes-validations": [
-            {
-                "rule": "self.minReplicas <= self.maxReplicas",
-                "message": "minReplicas must not exceed maxReplicas",
-            },
-            {
-                "rule": "self.metric != 'kvUsage' || !self.target.endsWith('s')",
-                "message": "kvUsage takes a ratio such as 0.8, not a duration",
-            },
-            {
-                "rule": "self.metric == 'kvUsage' || self.target.endsWith('s')",
-                "message": "ttft and itl take a duration such as 500ms",
-            },
-        ],
+        "x-kubernetes-validations": _autoscaling_rules(),
+    }
+
+
+def _engine_args(description: str) -> Schema:
+    return {
+        "type": "array",
+        "description": description,
+        "maxItems": 64,
+        "items": {"type": "string", "pattern": r"^--[a-z0-9][a-z0-9-]*(=.*)?$"},
     }
 
 
@@ -105,12 +119,9 @@ def _pool(pool: str, default_replicas: int) -> Schema:
                 default=default_replicas,
             ),
             "cpusPerWorker": int32("Ray num-cpus of each worker.", minimum=1, default=2),
-            "engineArgs": {
-                "type": "array",
-                "description": "Engine flags for this pool's workers, e.g. --max-num-seqs=64.",
-                "maxItems": 64,
-                "items": {"type": "string", "pattern": r"^--[a-z0-9][a-z0-9-]*(=.*)?$"},
-            },
+            "engineArgs": _engine_args(
+                "Engine flags for this pool's workers, e.g. --max-num-seqs=64."
+            ),
             **placement(),
             "autoscaling": _autoscaling(pool),
         },
@@ -119,7 +130,75 @@ def _pool(pool: str, default_replicas: int) -> Schema:
 
 def service_schema() -> Schema:
     """The openAPIV3Schema of KVRelayService (spec and status)."""
-    model = {
+    return _resource_schema(
+        _service_spec(),
+        _service_status(),
+        validations=[
+            {
+                "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+                "message": f"name must be at most {MAX_NAME_LENGTH} characters",
+            }
+        ],
+    )
+
+
+def _resource_schema(
+    spec: Schema, status: Schema, validations: list[Schema] | None = None
+) -> Schema:
+    """A custom resource's top level: the standard fields, then its spec and status."""
+    schema: Schema = {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+    if validations:
+        schema["x-kubernetes-validations"] = validations
+    return schema
+
+
+def _service_spec() -> Schema:
+    """KVRelayService's spec."""
+    return {
+        "type": "object",
+        "description": "A disaggregated kvrelay deployment: model, pools, router, Ray.",
+        "properties": {
+            "image": string("Image of every pod; empty takes the operator's default."),
+            "imagePullPolicy": string(
+                "Pull policy of every container.",
+                enum=["Always", "IfNotPresent", "Never"],
+                default="IfNotPresent",
+            ),
+            "model": _model_schema(),
+            "engineArgs": _engine_args("Engine flags passed to the router for every worker."),
+            "prefill": _pool("prefill", 1),
+            "decode": _pool("decode", 1),
+            "router": _router_schema(),
+            "kvTransfer": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "backend": string(
+                        "How KV blocks move from prefill to decode workers.",
+                        enum=["nixl", "grpc"],
+                        default="nixl",
+                    )
+                },
+            },
+            "ray": _ray_schema(),
+            "monitoring": _monitoring_schema(),
+        },
+    }
+
+
+def _model_schema() -> Schema:
+    """Where the model comes from: the default, a claim or a folder."""
+    return {
         "type": "object",
         "description": "Where the model comes from.",
         "default": {},
@@ -163,7 +242,11 @@ def service_schema() -> Schema:
             },
         ],
     }
-    router = {
+
+
+def _router_schema() -> Schema:
+    """The router Deployment and its Service."""
+    return {
         "type": "object",
         "description": "The router: OpenAI HTTP (8000) and gRPC (50051) in front of the pools.",
         "default": {},
@@ -187,7 +270,11 @@ def service_schema() -> Schema:
             **placement(),
         },
     }
-    ray = {
+
+
+def _ray_schema() -> Schema:
+    """The KubeRay RayCluster."""
+    return {
         "type": "object",
         "description": "The KubeRay RayCluster that runs the pools.",
         "default": {},
@@ -201,7 +288,11 @@ def service_schema() -> Schema:
             },
         },
     }
-    monitoring = {
+
+
+def _monitoring_schema() -> Schema:
+    """Prometheus scraping of the router."""
+    return {
         "type": "object",
         "default": {},
         "properties": {
@@ -222,58 +313,6 @@ def service_schema() -> Schema:
                 },
             }
         },
-    }
-    spec = {
-        "type": "object",
-        "description": "A disaggregated kvrelay deployment: model, pools, router, Ray.",
-        "properties": {
-            "image": string("Image of every pod; empty takes the operator's default."),
-            "imagePullPolicy": string(
-                "Pull policy of every container.",
-                enum=["Always", "IfNotPresent", "Never"],
-                default="IfNotPresent",
-            ),
-            "model": model,
-            "engineArgs": {
-                "type": "array",
-                "description": "Engine flags passed to the router for every worker.",
-                "maxItems": 64,
-                "items": {"type": "string", "pattern": r"^--[a-z0-9][a-z0-9-]*(=.*)?$"},
-            },
-            "prefill": _pool("prefill", 1),
-            "decode": _pool("decode", 1),
-            "router": router,
-            "kvTransfer": {
-                "type": "object",
-                "default": {},
-                "properties": {
-                    "backend": string(
-                        "How KV blocks move from prefill to decode workers.",
-                        enum=["nixl", "grpc"],
-                        default="nixl",
-                    )
-                },
-            },
-            "ray": ray,
-            "monitoring": monitoring,
-        },
-    }
-    return {
-        "type": "object",
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec,
-            "status": _service_status(),
-        },
-        "x-kubernetes-validations": [
-            {
-                "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
-                "message": f"name must be at most {MAX_NAME_LENGTH} characters",
-            }
-        ],
     }
 
 
@@ -307,36 +346,28 @@ def _service_status() -> Schema:
 
 def pool_schema() -> Schema:
     """The openAPIV3Schema of KVRelayPool, the scalable handle of one pool."""
-    return {
+    spec = {
         "type": "object",
-        "required": ["spec"],
+        "required": ["service", "pool"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": {
-                "type": "object",
-                "required": ["service", "pool"],
-                "properties": {
-                    "service": string("The owning KVRelayService.", minLength=1),
-                    "pool": string("Which pool.", enum=["prefill", "decode"]),
-                    "replicas": int32("Workers wanted.", minimum=0, maximum=1000, default=1),
-                },
-                "x-kubernetes-validations": [
-                    {"rule": "self.pool == oldSelf.pool", "message": "pool is immutable"},
-                    {"rule": "self.service == oldSelf.service", "message": "service is immutable"},
-                ],
-            },
-            "status": {
-                "type": "object",
-                "properties": {
-                    "replicas": int32("Worker pods that exist."),
-                    "readyReplicas": int32("Worker pods that are ready."),
-                    "selector": string("Label selector of the pool's pods, for HPA."),
-                },
-            },
+            "service": string("The owning KVRelayService.", minLength=1),
+            "pool": string("Which pool.", enum=["prefill", "decode"]),
+            "replicas": int32("Workers wanted.", minimum=0, maximum=1000, default=1),
+        },
+        "x-kubernetes-validations": [
+            {"rule": "self.pool == oldSelf.pool", "message": "pool is immutable"},
+            {"rule": "self.service == oldSelf.service", "message": "service is immutable"},
+        ],
+    }
+    status = {
+        "type": "object",
+        "properties": {
+            "replicas": int32("Worker pods that exist."),
+            "readyReplicas": int32("Worker pods that are ready."),
+            "selector": string("Label selector of the pool's pods, for HPA."),
         },
     }
+    return _resource_schema(spec, status)
 
 
 def _crd(kind: str, plural: str, short: list[str], schema: Schema, **version: Any) -> Schema:

@@ -66,6 +66,8 @@ def _reconcile(body: Mapping[str, Any], state: OperatorState) -> None:
 
 
 def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.OperatorRegistry:
+    # The handlers stay defined here: kopf names them by qualified name
+    # (`build_registry.<locals>.on_service`) and keeps their progress under that name.
     registry = kopf.OperatorRegistry()
     resource = (GROUP, VERSION, SERVICE_PLURAL)
 
@@ -90,29 +92,7 @@ def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.Operat
 
     @kopf.timer(*resource, interval=planner_seconds, registry=registry, id="planner")
     def planner(body: kopf.Body, memo: Any, namespace: str | None, name: str, **_: Any) -> None:
-        state: OperatorState = memo
-        try:
-            spec = parse_service(body, state.default_image)
-        except SpecError:
-            return  # the reconcile reports it
-        key = (str(namespace), name)
-
-        def emit(type_: str, reason: str, message: str) -> None:
-            kopf.event(body, type=type_, reason=reason, message=message)
-
-        if not autoscaled_pools(spec):
-            return
-        with _kopf_errors(state):
-            state.samples[key] = plan_service(
-                state.kube,
-                spec,
-                scrape_routers(state.kube, spec),
-                body.get("status") or {},
-                state.samples.get(key),
-                state.metrics,
-                emit,
-                time.time(),
-            )
+        _plan(body, memo, namespace, name)
 
     @kopf.on.field(GROUP, VERSION, POOL_PLURAL, field="spec.replicas", registry=registry)
     def on_pool_scaled(spec: kopf.Spec, namespace: str | None, memo: Any, **_: Any) -> None:
@@ -131,3 +111,29 @@ def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.Operat
         memo.samples.pop((str(namespace), name), None)
 
     return registry
+
+
+def _plan(body: kopf.Body, state: OperatorState, namespace: str | None, name: str) -> None:
+    """One planner tick of one service: scrape its routers, then scale its autoscaled pools."""
+    try:
+        spec = parse_service(body, state.default_image)
+    except SpecError:
+        return  # the reconcile reports it
+    key = (str(namespace), name)
+
+    def emit(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message)
+
+    if not autoscaled_pools(spec):
+        return
+    with _kopf_errors(state):
+        state.samples[key] = plan_service(
+            state.kube,
+            spec,
+            scrape_routers(state.kube, spec),
+            body.get("status") or {},
+            state.samples.get(key),
+            state.metrics,
+            emit,
+            time.time(),
+        )

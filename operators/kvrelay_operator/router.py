@@ -66,7 +66,46 @@ def _router_env(spec: ServiceSpec) -> list[Obj]:
 
 
 def desired_router_deployment(spec: ServiceSpec) -> Obj:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": router_name(spec.name),
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, "router"),
+        },
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector_labels(spec.name, "router")},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": {
+                "metadata": {"labels": labels(spec.name, "router")},
+                "spec": _router_pod_spec(spec),
+            },
+        },
+    }
+
+
+def _router_pod_spec(spec: ServiceSpec) -> Obj:
     resources = podparts.resources(spec.router.placement)
+    pod_spec = podparts.place(
+        {
+            "securityContext": podparts.pod_security(),
+            "containers": [_router_container(spec, resources)],
+            "volumes": podparts.volumes(spec),
+        },
+        spec.router.placement,
+    )
+    init = podparts.init_containers(spec, resources)
+    if init:
+        pod_spec["initContainers"] = init
+    return pod_spec
+
+
+def _router_container(spec: ServiceSpec, resources: Obj) -> Obj:
     container: Obj = {
         "name": "router",
         "image": spec.image,
@@ -99,38 +138,7 @@ def desired_router_deployment(spec: ServiceSpec) -> Obj:
     }
     if resources:
         container["resources"] = resources
-    pod_spec = podparts.place(
-        {
-            "securityContext": podparts.pod_security(),
-            "containers": [container],
-            "volumes": podparts.volumes(spec),
-        },
-        spec.router.placement,
-    )
-    init = podparts.init_containers(spec, resources)
-    if init:
-        pod_spec["initContainers"] = init
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": router_name(spec.name),
-            "namespace": spec.namespace,
-            "labels": labels(spec.name, "router"),
-        },
-        "spec": {
-            "replicas": spec.router.replicas,
-            "selector": {"matchLabels": selector_labels(spec.name, "router")},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
-            },
-            "template": {
-                "metadata": {"labels": labels(spec.name, "router")},
-                "spec": pod_spec,
-            },
-        },
-    }
+    return container
 
 
 def desired_router_service(spec: ServiceSpec) -> Obj:
