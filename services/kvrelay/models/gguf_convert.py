@@ -68,17 +68,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: boo
 
 def hf_config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """The HF `config.json` of a llama GGUF, from its metadata."""
-    arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; the converter handles 'llama' "
-            "(use a Hugging Face safetensors checkpoint instead)"
-        )
-    if "rope_freqs.weight" in tensor_names:
-        raise UnsupportedModelError(
-            "this GGUF carries llama3 rope factors (rope_freqs.weight), which the converter "
-            "does not map; use the model's Hugging Face safetensors checkpoint instead"
-        )
+    _check_supported(fields, tensor_names)
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(f"llama.{key}", default)
@@ -91,20 +81,8 @@ def hf_config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> dict[
     head_dim = int(fields.get("llama.attention.key_length") or hidden // heads)
     vocab = int(fields.get("llama.vocab_size") or len(fields["tokenizer.ggml.tokens"]))
     eos = int(fields["tokenizer.ggml.eos_token_id"])
-    eos_ids = [eos]
-    # A chat turn of the instruct model ends with its eos (<|im_end|>); a document ends with
-    # <|endoftext|>. Stopping on both keeps raw (non-chat) completions from running past it.
-    tokens = fields.get("tokenizer.ggml.tokens") or []
-    if "<|endoftext|>" in tokens and tokens.index("<|endoftext|>") != eos:
-        eos_ids.append(tokens.index("<|endoftext|>"))
-    rope_scaling = None
-    scaling_type = fields.get("llama.rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise UnsupportedModelError(
-            f"GGUF rope scaling {scaling_type!r} is not supported by the converter (linear only)"
-        )
+    eos_ids = _eos_token_ids(fields, eos)
+    rope_scaling = _rope_scaling(fields)
     bos = fields.get("tokenizer.ggml.bos_token_id")
     pad = fields.get("tokenizer.ggml.padding_token_id")
     return {
@@ -131,6 +109,49 @@ def hf_config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> dict[
         "pad_token_id": int(pad) if pad is not None else eos,
         "torch_dtype": "float32",
     }
+
+
+def _check_supported(fields: dict[str, Any], tensor_names: set[str]) -> None:
+    """Raise UnsupportedModelError unless the GGUF is a llama the converter carries over."""
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; the converter handles 'llama' "
+            "(use a Hugging Face safetensors checkpoint instead)"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError(
+            "this GGUF carries llama3 rope factors (rope_freqs.weight), which the converter "
+            "does not map; use the model's Hugging Face safetensors checkpoint instead"
+        )
+
+
+def _eos_token_ids(fields: dict[str, Any], eos: int) -> list[int]:
+    """The tokenizer's eos, then <|endoftext|> when that is a different token.
+
+    A chat turn of the instruct model ends with its eos (<|im_end|>); a document ends with
+    <|endoftext|>. Stopping on both keeps raw (non-chat) completions from running past it.
+    """
+    eos_ids = [eos]
+    tokens = fields.get("tokenizer.ggml.tokens") or []
+    if "<|endoftext|>" in tokens and tokens.index("<|endoftext|>") != eos:
+        eos_ids.append(tokens.index("<|endoftext|>"))
+    return eos_ids
+
+
+def _rope_scaling(fields: dict[str, Any]) -> dict[str, Any] | None:
+    """HF's `rope_scaling` for GGUF linear scaling (None without scaling); others raise."""
+    scaling_type = fields.get("llama.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type != "linear":
+        raise UnsupportedModelError(
+            f"GGUF rope scaling {scaling_type!r} is not supported by the converter (linear only)"
+        )
+    factor = fields.get("llama.rope.scaling.factor")
+    if factor is None:
+        raise ValueError("GGUF metadata lacks llama.rope.scaling.factor; the file is incomplete")
+    return {"rope_type": "linear", "factor": float(factor)}
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
