@@ -105,11 +105,6 @@ def paged_attention(
 
     if rows is None and out is None:
         return decode(decode_q)  # an all-decode step
-    if out is None:
-        out = torch.empty_like(query)
-    if rows is None:
-        out.copy_(decode(decode_q))
-    else:
-        out[rows] = decode(decode_q)
+    out = reference.place_decode_rows(query, rows, decode(decode_q), out)
     reference.prefill_attention(query, kv_cache, layer, plan, scale, out)
     return out

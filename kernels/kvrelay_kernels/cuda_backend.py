@@ -163,13 +163,7 @@ def paged_attention(
     )
     if direct:
         return result
-    if out is None:
-        out = torch.empty_like(query)
-    if rows is None:
-        out.copy_(result)
-    else:
-        out[rows] = result
-    return out
+    return reference.place_decode_rows(query, rows, result, out)
 
 
 def write_kv(

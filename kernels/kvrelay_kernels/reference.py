@@ -91,20 +91,29 @@ def paged_attention(
     keys, values = _layer_rows(kv_cache, layer)
     block_size, kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     if plan.has_decodes and plan.decode_token_idx is None and out is None:  # all decodes
-        return _decode_attention(
-            query, keys, values, plan, scale, *kv_cache.shape[3:5]
-        )  # an all-decode step
+        return _decode_attention(query, keys, values, plan, scale, block_size, kv_heads)
+    if plan.has_decodes:
+        rows = plan.decode_token_idx  # None: every row is a decode, in order
+        decode_q = query if rows is None else query[rows]
+        decoded = _decode_attention(decode_q, keys, values, plan, scale, block_size, kv_heads)
+        out = place_decode_rows(query, rows, decoded, out)
+    elif out is None:
+        out = torch.empty_like(query)
+    prefill_attention(query, kv_cache, layer, plan, scale, out)
+    return out
+
+
+def place_decode_rows(
+    query: torch.Tensor, rows: torch.Tensor | None, decoded: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    """Write the decode rows' attention `decoded` into `out` at `rows` (None: every row, in
+    order) and return `out`; a None `out` is first allocated like `query`."""
     if out is None:
         out = torch.empty_like(query)
-    if plan.has_decodes:
-        rows = plan.decode_token_idx
-        if rows is None:  # every row is a decode, in order: no gather, no scatter
-            out.copy_(_decode_attention(query, keys, values, plan, scale, block_size, kv_heads))
-        else:
-            out[rows] = _decode_attention(
-                query[rows], keys, values, plan, scale, *kv_cache.shape[3:5]
-            )
-    prefill_attention(query, kv_cache, layer, plan, scale, out)
+    if rows is None:
+        out.copy_(decoded)
+    else:
+        out[rows] = decoded
     return out
 
 

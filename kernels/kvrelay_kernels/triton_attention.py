@@ -31,6 +31,78 @@ def _find_sequence(cu_tiles_ptr, num_seqs, tile):  # type: ignore[no-untyped-def
 
 
 @triton.jit
+def _locate_tile(  # type: ignore[no-untyped-def]  # triton params
+    cu_tiles_ptr, qsl_ptr, seq_lens_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr
+):
+    """Where query tile `tile` lies: its sequence, the sequence's first query row, its query
+    length (0 for a tile past the last one), its context length, and the tile's first token
+    within the query."""
+    seq = _find_sequence(cu_tiles_ptr, num_seqs, tile)
+    live = seq < num_seqs  # the grid is an upper bound on the number of tiles
+    seq = tl.minimum(seq, num_seqs - 1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.where(live, tl.load(qsl_ptr + seq + 1) - q_start, 0)
+    context = tl.load(seq_lens_ptr + seq)
+    tok0 = (tile - tl.load(cu_tiles_ptr + seq)) * BLOCK_Q
+    return seq, q_start, q_len, context, tok0
+
+
+@triton.jit
+def _attend_context(  # type: ignore[no-untyped-def]  # triton params
+    q,  # [ROWS, HEAD_DIM_P]
+    q_pos,  # [ROWS]: each row's own position; it sees keys 0..q_pos
+    base,  # this layer's and KV head's K at block 0, token 0
+    table,  # this sequence's block table
+    kv_end,  # keys past this position are never read
+    dims,
+    dim_ok,
+    stride_block,
+    stride_kv,
+    stride_token,
+    qk_scale,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Causal online-softmax attention of the tile's rows over keys [0, kv_end), BLOCK_N
+    keys at a time; returns the normalized output, [ROWS, HEAD_DIM_P] fp32."""
+    # Masked scores are a finite minimum, not -inf: every live row sees key 0 in the first
+    # iteration, so its running max is real from then on; dead rows compute harmless garbage
+    # that is never stored (with -inf they would compute NaN = -inf - -inf).
+    m_i = tl.full((ROWS,), -1.0e30, tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, HEAD_DIM_P), tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        offs = block * stride_block + (pos % BLOCK_SIZE) * stride_token  # [BLOCK_N]
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(base + stride_kv + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))
+        s = s * qk_scale
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:  # a constexpr branch: triton compiles only one side
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
     out_ptr,
     q_ptr,
@@ -64,69 +136,30 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
     # head, so the K/V tiles it loads serve the whole GQA group. Rows are (token, head) pairs.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_sequence(cu_tiles_ptr, num_seqs, tile)
-    live = seq < num_seqs  # the grid is an upper bound on the number of tiles
-    seq = tl.minimum(seq, num_seqs - 1)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.where(live, tl.load(qsl_ptr + seq + 1) - q_start, 0)
-    context = tl.load(seq_lens_ptr + seq)
-    tok0 = (tile - tl.load(cu_tiles_ptr + seq)) * BLOCK_Q
-
+    seq, q_start, q_len, context, tok0 = _locate_tile(
+        cu_tiles_ptr, qsl_ptr, seq_lens_ptr, num_seqs, tile, BLOCK_Q
+    )
     rows = tl.arange(0, BLOCK_Q * GROUP_P)
     tok = tok0 + rows // GROUP_P
     head = kv_head * GROUP + rows % GROUP_P
     row_ok = (tok < q_len) & (rows % GROUP_P < GROUP)
-    q_pos = context - q_len + tok  # the query's own position: it sees keys 0..q_pos
     dims = tl.arange(0, HEAD_DIM_P)
     dim_ok = dims < HEAD_DIM
-
+    mask = row_ok[:, None] & dim_ok[None, :]
     q_rows = (q_start + tok).to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :])
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=mask)
 
     # Causal: this tile's last query sees keys up to its position; a dead tile reads nothing.
     kv_end = tl.where(tok0 < q_len, context - q_len + tl.minimum(tok0 + BLOCK_Q, q_len), 0)
+    q_pos = context - q_len + tok  # the query's own position: it sees keys 0..q_pos
     base = cache_ptr + layer_offset + kv_head * stride_head
     table = tables_ptr + seq.to(tl.int64) * stride_table
-
-    # Masked scores are a finite minimum, not -inf: every live row sees key 0 in the first
-    # iteration, so its running max is real from then on; dead rows compute harmless garbage
-    # that is never stored (with -inf they would compute NaN = -inf - -inf).
-    m_i = tl.full((BLOCK_Q * GROUP_P,), -1.0e30, tl.float32)
-    l_i = tl.zeros((BLOCK_Q * GROUP_P,), tl.float32)
-    acc = tl.zeros((BLOCK_Q * GROUP_P, HEAD_DIM_P), tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        offs = block * stride_block + (pos % BLOCK_SIZE) * stride_token  # [BLOCK_N]
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(base + stride_kv + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k))
-        s = s * qk_scale
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        s = tl.where(visible, s, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:  # a constexpr branch: triton compiles only one side
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = _attend_context(
+        q, q_pos, base, table, kv_end, dims, dim_ok, stride_block, stride_kv, stride_token,
+        qk_scale, BLOCK_Q * GROUP_P, BLOCK_N, BLOCK_SIZE, HEAD_DIM_P, DOT_F32,
+    )  # fmt: skip
     o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
-    tl.store(
-        out_ptr + o_rows[:, None] + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -146,29 +179,40 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same meaning as `reference.paged_attention`, one kernel launch for the whole batch."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if query.stride(2) != 1:
         query = query.contiguous()
     if out is None:
         out = torch.empty(query.shape, dtype=kv_cache.dtype, device=query.device)
-    num_seqs = seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     if kv_cache.stride(5) != 1:
         raise ValueError("kv_cache's head_dim must be contiguous")
-    group = num_heads // num_kv_heads
-    group_p = _pow2_at_least(group)
     # Without a plan nothing says whether the batch is decode only; size tiles for prefill.
     all_decode = plan is not None and not plan.prefills
+    _launch(out, query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale, all_decode)
+    return out
+
+
+def _launch(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    all_decode: bool,
+) -> None:
+    """Size the tiles and launch the kernel over a non-empty batch."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_p = _pow2_at_least(group)
     # tl.dot needs at least 16 rows; decode tiles hold one token, prefill tiles ~64 rows.
     block_q = max(1, (16 if all_decode else 64) // group_p)
     head_dim_p = _pow2_at_least(head_dim, 16)
-    block_n = 64 if head_dim_p <= 128 else 32
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    tiles = torch.div(q_lens + block_q - 1, block_q, rounding_mode="floor")
-    cu_tiles = torch.zeros(num_seqs + 1, dtype=torch.int32, device=query.device)
-    cu_tiles[1:] = torch.cumsum(tiles, 0)
     # sum(ceil(q_len / block_q)) <= num_tokens // block_q + num_seqs: a host-side bound, so
     # the launch needs no device -> host copy.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -179,7 +223,7 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        cu_tiles,
+        _cumulative_tiles(query_start_loc, block_q),
         num_seqs,
         layer * kv_cache.stride(1),
         query.stride(0),
@@ -195,7 +239,7 @@ def paged_attention(
         GROUP=group,
         GROUP_P=group_p,
         BLOCK_Q=block_q,
-        BLOCK_N=block_n,
+        BLOCK_N=64 if head_dim_p <= 128 else 32,
         HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size,
@@ -204,4 +248,12 @@ def paged_attention(
         DOT_F32=kv_cache.dtype == torch.float32 or not query.is_cuda,
         num_warps=4,
     )
-    return out
+
+
+def _cumulative_tiles(query_start_loc: torch.Tensor, block_q: int) -> torch.Tensor:
+    """`[num_seqs + 1]` int32: the first query tile of each sequence, then the total."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tiles = torch.div(q_lens + block_q - 1, block_q, rounding_mode="floor")
+    cu_tiles = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32, device=query_start_loc.device)
+    cu_tiles[1:] = torch.cumsum(tiles, 0)
+    return cu_tiles
