@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -27,13 +27,25 @@ from kvrelay.router.types import GenerateChunk, GenerateRequest
 def create_http_app(router: Router, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="kvrelay", summary="OpenAI-compatible API of kvrelay", docs_url="/docs")
     _add_error_handlers(app)
-    tokenizer = router.tokenizer
+    _add_probe_routes(app, router)
+    v1 = [Depends(_authenticator(api_key))]
+    _add_model_routes(app, router, v1)
+    _add_generation_routes(app, router, v1)
+    return app
+
+
+def _authenticator(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that checks the `Authorization: Bearer KEY` header of /v1 routes."""
 
     async def authenticate(request: Request) -> None:
         header = request.headers.get("authorization", "")
         check_api_key(header, api_key, "Authorization: Bearer KEY")
 
-    v1 = [Depends(authenticate)]
+    return authenticate
+
+
+def _add_probe_routes(app: FastAPI, router: Router) -> None:
+    """/health (readiness, 503 while draining or without a decode worker) and /metrics."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -46,6 +58,8 @@ def create_http_app(router: Router, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_model_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:
         card = router.model
@@ -61,6 +75,11 @@ def create_http_app(router: Router, api_key: str | None = None) -> FastAPI:
                 }
             ],
         }
+
+
+def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
+    """/v1/completions and /v1/chat/completions."""
+    tokenizer = router.tokenizer
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -89,8 +108,6 @@ def create_http_app(router: Router, api_key: str | None = None) -> FastAPI:
             greq.request_id, router.model.id, True, tokenizer, body.top_logprobs or 0
         )
         return await _respond(router, request, body, greq, fmt, body.logprobs)
-
-    return app
 
 
 def _request(
