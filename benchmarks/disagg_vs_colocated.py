@@ -4,6 +4,7 @@
 The same offered load runs twice, in one process, on the default model:
 - disaggregated: 1 prefill + 1 decode worker (Ray actors, KV relayed over NIXL or gRPC);
 - colocated: 2 workers doing both (requests spread round-robin).
+Every request goes through the router's relay (router/relay.py), as served traffic does.
 Short-prompt streams start together and decode for a while; long prompts arrive at a fixed
 interval meanwhile. Prints inter-token latency p50 / p99 of the streams and time to first
 token of the long prompts, per mode, and the disaggregated / colocated ratios.
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay import SamplingParams
-from kvrelay.engine.outputs import RequestOutput
 
 
 @dataclass
@@ -41,51 +41,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def consume(stream: Any, trace: Trace, seen: int) -> RequestOutput | None:
-    """Record the arrival of each streamed output's new tokens."""
-    last_time = time.perf_counter() if trace.first_token is not None else None
-    last: RequestOutput | None = None
-    async for ref in stream:
-        out: RequestOutput = await ref
-        now = time.perf_counter()
-        new = len(out.outputs[0].token_ids) - seen
-        if new <= 0:
+async def run_request(router: Any, index: int, prompt: list[int], params: SamplingParams) -> Trace:
+    """Send one request through the router's relay; record when its tokens arrive."""
+    from kvrelay.router.types import GenerateRequest
+
+    trace = Trace(submitted=time.perf_counter())
+    last_time: float | None = None
+    async for chunk in router.generate(GenerateRequest(f"req-{index}", prompt, params)):
+        new = sum(len(choice.token_ids) for choice in chunk.choices if choice.index == 0)
+        if new == 0:
             continue
-        seen += new
+        now = time.perf_counter()
         if trace.first_token is None:
             trace.first_token = now
-        elif last_time is not None:
+            new -= 1
+        if new and last_time is not None:
             # A step that delivered k tokens at once counts as k gaps of equal share.
             trace.gaps.extend([(now - last_time) / new] * new)
         last_time = now
-        last = out
-    return last
-
-
-async def run_request(pools: Any, index: int, prompt: list[int], params: SamplingParams) -> Trace:
-    trace = Trace(submitted=time.perf_counter())
-    rid = f"req-{index}"
-    if pools.colocated_workers:
-        worker = pools.colocated_workers[index % len(pools.colocated_workers)]
-        stream = worker.generate.options(num_returns="streaming").remote(rid, prompt, params)
-        await consume(stream, trace, 0)
-        return trace
-    prefill, decode = pools.prefill_workers[0], pools.decode_workers[0]
-    first: RequestOutput = await prefill.prefill.remote(rid, prompt, params)
-    trace.first_token = time.perf_counter()
-    if first.kv_handle is None:
-        return trace
-    try:
-        stream = decode.generate.options(num_returns="streaming").remote(
-            rid, prompt, params, first.kv_handle
-        )
-        await consume(stream, trace, 1)
-    finally:
-        await prefill.release_kv.remote(rid)
     return trace
 
 
-async def offered_load(pools: Any, args: argparse.Namespace) -> tuple[list[Trace], list[Trace]]:
+async def offered_load(router: Any, args: argparse.Namespace) -> tuple[list[Trace], list[Trace]]:
     rng = random.Random(args.seed)
 
     def prompt(length: int) -> list[int]:
@@ -94,17 +71,39 @@ async def offered_load(pools: Any, args: argparse.Namespace) -> tuple[list[Trace
     stream_params = SamplingParams(temperature=0, max_tokens=args.stream_tokens, ignore_eos=True)
     long_params = SamplingParams(temperature=0, max_tokens=args.long_tokens, ignore_eos=True)
     streams = [
-        asyncio.create_task(run_request(pools, i, prompt(args.stream_prompt), stream_params))
+        asyncio.create_task(run_request(router, i, prompt(args.stream_prompt), stream_params))
         for i in range(args.streams)
     ]
     await asyncio.sleep(args.warmup)  # let the streams reach steady decoding
     longs = []
     for j in range(args.long_count):
         longs.append(
-            asyncio.create_task(run_request(pools, 1000 + j, prompt(args.long_prompt), long_params))
+            asyncio.create_task(
+                run_request(router, 1000 + j, prompt(args.long_prompt), long_params)
+            )
         )
         await asyncio.sleep(args.long_every)
     return list(await asyncio.gather(*streams)), list(await asyncio.gather(*longs))
+
+
+async def measure(
+    pools: Any, mode: str, args: argparse.Namespace
+) -> tuple[list[Trace], list[Trace]]:
+    """A router over the pools (every prompt prefilled by the prefill pool when disaggregated;
+    round-robin over the colocated workers), warmed up, then the offered load."""
+    from kvrelay.router.local import local_router
+    from kvrelay.router.policy import RoutingPolicy
+    from kvrelay.router.relay import RelayConfig
+
+    router = await local_router(
+        pools.workers,
+        relay=RelayConfig(max_local_prefill_tokens=0),
+        policy=RoutingPolicy("round_robin" if mode == "colocated" else "score"),
+    )
+    # Warm every worker (kernels, first transfer) outside the measurement.
+    for warm in range(2):
+        await run_request(router, 999_990 + warm, [5] * 64, SamplingParams(max_tokens=4))
+    return await offered_load(router, args)
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
@@ -120,11 +119,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, float]:
     else:
         pools = Pools.start(args.model, num_decode=2, colocated=True, engine_kwargs=engine_kwargs)
     try:
-        # Warm every worker (kernels, first transfer) outside the measurement.
-        asyncio.run(run_request(pools, 999_999, [5] * 64, SamplingParams(max_tokens=4)))
-        if mode == "colocated":
-            asyncio.run(run_request(pools, 999_998, [5] * 64, SamplingParams(max_tokens=4)))
-        streams, longs = asyncio.run(offered_load(pools, args))
+        streams, longs = asyncio.run(measure(pools, mode, args))
         stats = pools.stats()
     finally:
         pools.shutdown()

@@ -79,6 +79,12 @@ class RouterMetrics:
             ["decision"],
             registry=r,
         )
+        self.leases_lost = Counter(
+            "kvrelay_kv_leases_lost",
+            "Relayed requests whose prefill KV lease ended before the decode worker's pull did "
+            "(the pulled blocks were dropped; the prompt recomputed, or the request failed).",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kvrelay_router_requests_in_flight", "Admitted requests running.", registry=r
         )

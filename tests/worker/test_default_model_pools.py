@@ -1,5 +1,6 @@
-"""The real default model through a prefill and a decode worker over NIXL and over gRPC:
-greedy outputs of concurrent prompts equal transformers' own greedy generate, token for token."""
+"""The real default model through the router's relay, a prefill and a decode worker over NIXL
+and over gRPC: greedy outputs of concurrent prompts equal transformers' own greedy generate,
+token for token, and so does the streamed text."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import pytest
 import torch
 
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.router.local import complete, local_router
+from kvrelay.router.relay import RelayConfig
+from kvrelay.router.types import GenerateChunk
 from kvrelay.worker.pools import Pools
 from tests.worker.test_faults import assert_whole
 
@@ -41,14 +45,18 @@ def test_default_model_disaggregated_equals_transformers(
         # min_tokens = max_tokens masks EOS exactly as HF's min_new_tokens does.
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
-        async def main() -> list[list[int]]:
-            outs = await asyncio.gather(*(pools.generate(p, params) for p in prompts))
-            return [out.outputs[0].token_ids for out in outs]
+        async def main() -> tuple[list[GenerateChunk], float]:
+            relay = RelayConfig(max_local_prefill_tokens=0)
+            router = await local_router(pools.workers, tokenizer, relay=relay)
+            outs = await asyncio.gather(*(complete(router, p, params) for p in prompts))
+            return outs, router.metrics.leases_lost._value.get()
 
-        results = asyncio.run(main())
+        outs, leases_lost = asyncio.run(main())
+        results = [out.choices[0].token_ids for out in outs]
         decode_stats = pools.stats()[1]
         assert decode_stats.kv_pull_fallbacks == 0 and decode_stats.kv_transfer_failures == 0
-        assert pools.num_lease_recomputes == 0
+        assert decode_stats.kv_bytes_pulled > 0
+        assert leases_lost == 0
         assert_whole(pools.workers)
     finally:
         pools.shutdown()
@@ -65,3 +73,5 @@ def test_default_model_disaggregated_equals_transformers(
                 pad_token_id=tokenizer.eos_token_id,
             )
         assert result == ref[0, len(ids) :].tolist(), text
+    for out, result in zip(outs, results, strict=True):
+        assert out.choices[0].text == tokenizer.decode(result, skip_special_tokens=True)

@@ -16,10 +16,12 @@ import pytest
 import ray
 
 from kvrelay.messages import EngineStats
+from kvrelay.router.local import complete, local_router
+from kvrelay.router.relay import RelayConfig
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory
 from tests.worker.conftest import TINY_ENGINE_KWARGS
-from tests.worker.test_pools import colocated, greedy
+from tests.worker.test_pools import colocated, greedy, streamed_tokens
 
 PROMPT = list(range(3, 23))  # five full blocks of 4
 OTHER = list(range(60, 80))  # as long: its prefill reuses the blocks of PROMPT's expired lease
@@ -75,14 +77,15 @@ def test_lease_expired_and_blocks_reused_before_the_pull(
     assert set(other.kv_handle.block_ids) & set(first.kv_handle.block_ids)
     assert ray.get(prefill.release_kv.remote("y"))
     # Trusting the handle decodes from the other prompt's KV: the output would differ.
-    stale = ray.get(decode.generate_final.remote("stale", PROMPT, greedy(6), first.kv_handle))
+    stale, _ = streamed_tokens(decode, "stale", PROMPT, greedy(6), first.kv_handle)
     expected = colocated(make_engine, {"x": PROMPT}, 6)["x"]
     if stats(decode).kv_pull_fallbacks == 0:  # the pull went through: it read OTHER's KV
-        assert stale.outputs[0].token_ids != expected
+        assert stale != expected
     assert ray.get(decode.forget_kv.remote(first.kv_handle)) > 0  # what the stale pull cached
 
-    # Through Pools the lost lease is noticed and the prompt recomputed.
-    async def expiring() -> list[int]:
+    # Through the router's relay the lost lease is noticed and the prompt recomputed.
+    async def expiring() -> tuple[list[int], float]:
+        router = await local_router(pools.workers, relay=RelayConfig(max_local_prefill_tokens=0))
         orig = prefill.release_kv
 
         class Late:  # the lease expires (and its blocks are reused) before the pull ends
@@ -93,15 +96,16 @@ def test_lease_expired_and_blocks_reused_before_the_pull(
                 ray.get(orig.remote("z"))
                 return orig.remote(rid)
 
-        prefill.release_kv = Late
+        prefill.release_kv = Late  # the registry holds this very handle object
         try:
-            out = await pools.generate(PROMPT, greedy(6), request_id="x2")
+            out = await complete(router, PROMPT, greedy(6), request_id="x2")
         finally:
             prefill.release_kv = orig
-        return out.outputs[0].token_ids
+        return out.choices[0].token_ids, router.metrics.leases_lost._value.get()
 
-    assert asyncio.run(expiring()) == expected
-    assert pools.num_lease_recomputes == 1
+    tokens, leases_lost = asyncio.run(expiring())
+    assert tokens == expected
+    assert leases_lost == 1
     assert stats(prefill).kv_leases_expired == 2
     assert_whole(pools.workers)
 
@@ -145,11 +149,11 @@ def test_prefill_worker_killed_before_the_pull(
         pid = worker_pid(prefill)
         ray.kill(prefill, no_restart=True)
         wait_until_dead(prefill, pid)
-        out = ray.get(decode.generate_final.remote("k", PROMPT, greedy(6), first.kv_handle))
+        tokens, last = streamed_tokens(decode, "k", PROMPT, greedy(6), first.kv_handle)
         after = stats(decode)
-        sample = out.outputs[0]
+        [sample] = last.samples
         if policy == "recompute":
-            assert sample.token_ids == colocated(make_engine, {"k": PROMPT}, 6)["k"]
+            assert tokens == colocated(make_engine, {"k": PROMPT}, 6)["k"]
             assert sample.finish_reason == "length"
             assert after.kv_pull_fallbacks == 1 and after.kv_transfer_failures == 0
         else:

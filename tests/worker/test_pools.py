@@ -1,17 +1,22 @@
-"""Prefill and decode workers as real Ray actors, KV moved by NIXL or gRPC: greedy outputs
-equal a colocated in-process engine; a failed pull recomputes; nothing leaks."""
+"""Prefill and decode workers as real Ray actors, KV moved by NIXL or gRPC, requests sent
+through the router's relay: greedy outputs equal a colocated in-process engine; a failed pull
+recomputes; nothing leaks."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import OutputDelta
+from kvrelay.router.local import complete, local_router
+from kvrelay.router.relay import RelayConfig
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory, run_to_completion
 from tests.worker.conftest import TINY_ENGINE_KWARGS
@@ -38,6 +43,28 @@ def pools(
     started.shutdown()
 
 
+async def relay_tokens(
+    workers: Sequence[Any], prompts: Sequence[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    """Greedy tokens of each prompt, sent through a router's relay over `workers`; every prompt
+    is prefilled by a prefill worker and pulled by a decode worker (no local prefill)."""
+    router = await local_router(workers, relay=RelayConfig(max_local_prefill_tokens=0))
+    outs = await asyncio.gather(*(complete(router, prompt, params) for prompt in prompts))
+    return [out.choices[0].token_ids for out in outs]
+
+
+def streamed_tokens(worker: Any, *args: Any) -> tuple[list[int], OutputDelta]:
+    """A worker's `generate` stream called directly: all its tokens, and its last delta."""
+    tokens: list[int] = []
+    last = None
+    for ref in worker.generate.options(num_returns="streaming").remote(*args):
+        last = ray.get(ref)
+        for sample in last.samples:
+            tokens[sample.start :] = sample.token_ids
+    assert last is not None and last.finished
+    return tokens, last
+
+
 def colocated(
     make_engine: EngineFactory, prompts: dict[str, list[int]], tokens: int
 ) -> dict[str, list[int]]:
@@ -55,14 +82,14 @@ def assert_no_leaks(pools: Pools) -> None:
 
 
 def test_disaggregated_equals_colocated(pools: Pools, make_engine: EngineFactory) -> None:
-    async def main() -> list[list[int]]:
-        outs = await asyncio.gather(*(pools.generate(p, greedy(8)) for p in PROMPTS.values()))
-        return [out.outputs[0].token_ids for out in outs]
-
-    before = ray.get(pools.decode_workers[0].stats.remote()).kv_pull_fallbacks
-    results = dict(zip(PROMPTS, asyncio.run(main()), strict=True))
+    decode = pools.decode_workers[0]
+    before = ray.get(decode.stats.remote())
+    tokens = asyncio.run(relay_tokens(pools.workers, list(PROMPTS.values()), greedy(8)))
+    results = dict(zip(PROMPTS, tokens, strict=True))
     assert results == colocated(make_engine, PROMPTS, 8)
-    assert ray.get(pools.decode_workers[0].stats.remote()).kv_pull_fallbacks == before
+    after = ray.get(decode.stats.remote())
+    assert after.kv_pull_fallbacks == before.kv_pull_fallbacks
+    assert after.kv_bytes_pulled > before.kv_bytes_pulled  # the KV really travelled
     assert_no_leaks(pools)
 
 
@@ -74,8 +101,8 @@ def test_failed_pull_recomputes_the_prompt(pools: Pools, make_engine: EngineFact
     # A handle from a prefill worker the decode worker never met: the pull fails.
     stale = dataclasses.replace(first.kv_handle, engine_id="restarted-elsewhere")
     before = ray.get(decode.stats.remote()).kv_pull_fallbacks
-    out = ray.get(decode.generate_final.remote("gone", prompt, greedy(6), stale))
+    tokens, _ = streamed_tokens(decode, "gone", prompt, greedy(6), stale)
     assert ray.get(prefill.release_kv.remote("gone"))
-    assert out.outputs[0].token_ids == colocated(make_engine, {"gone": prompt}, 6)["gone"]
+    assert tokens == colocated(make_engine, {"gone": prompt}, 6)["gone"]
     assert ray.get(decode.stats.remote()).kv_pull_fallbacks == before + 1
     assert_no_leaks(pools)

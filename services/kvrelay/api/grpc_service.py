@@ -14,7 +14,7 @@ from kvrelay.api.auth import check_api_key
 from kvrelay.api.grpc_convert import response_message, to_request
 from kvrelay.router.errors import OverloadedError, RouterError
 from kvrelay.router.router import Router
-from kvrelay.router.types import ChoiceDelta, GenerateChunk
+from kvrelay.router.types import collect_chunks
 from kvrelay.v1 import generation_pb2 as pb
 from kvrelay.v1 import generation_pb2_grpc as pb_grpc
 
@@ -37,7 +37,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 async for chunk in chunks:
                     yield response_message(chunk, self.router.tokenizer, top_k)
             else:
-                whole = await _collect(chunks, greq.request_id)
+                whole = await collect_chunks(chunks, greq.request_id)
                 yield response_message(whole, self.router.tokenizer, top_k)
         except RouterError as exc:
             await _abort(context, exc)
@@ -57,20 +57,6 @@ class GenerationService(pb_grpc.GenerationServicer):
         metadata = dict(context.invocation_metadata() or ())
         header = str(metadata.get("authorization", ""))
         check_api_key(header, self.api_key, "authorization: Bearer KEY")
-
-
-async def _collect(chunks: AsyncIterator[GenerateChunk], request_id: str) -> GenerateChunk:
-    """A non-streamed call: every sample's deltas merged into one chunk."""
-    merged: dict[int, ChoiceDelta] = {}
-    usage = None
-    async for chunk in chunks:
-        usage = chunk.usage or usage
-        for delta in chunk.choices:
-            if delta.index in merged:
-                merged[delta.index].merge(delta)
-            else:
-                merged[delta.index] = delta
-    return GenerateChunk(request_id, [merged[i] for i in sorted(merged)], usage)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:

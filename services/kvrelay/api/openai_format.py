@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.router.errors import RouterError
-from kvrelay.router.types import ChoiceDelta, GenerateChunk, TokenLogprob, Usage
+from kvrelay.router.types import ChoiceDelta, GenerateChunk, TokenLogprob, Usage, collect_chunks
 
 
 def error_body(
@@ -34,16 +33,6 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     return body
 
 
-@dataclass
-class _Choice:
-    """One sample accumulated for a whole (non-streamed) response."""
-
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
 class OpenAIFormatter:
     """Formats one request's chunks for `/v1/completions` (chat=False) or
     `/v1/chat/completions` (chat=True)."""
@@ -64,31 +53,23 @@ class OpenAIFormatter:
     async def whole(
         self, chunks: AsyncIterator[GenerateChunk], n: int, want_logprobs: bool
     ) -> dict[str, Any]:
-        choices = [_Choice() for _ in range(n)]
-        usage: Usage | None = None
-        async for chunk in chunks:
-            usage = chunk.usage or usage
-            for delta in chunk.choices:
-                choice = choices[delta.index]
-                choice.text += delta.text
-                choice.logprobs.extend(delta.logprobs or [])
-                choice.finish_reason = delta.finish_reason or choice.finish_reason
-                if delta.stop_reason is not None:
-                    choice.stop_reason = delta.stop_reason
+        whole = await collect_chunks(chunks, self.id)
+        by_index = {choice.index: choice for choice in whole.choices}
+        choices = [by_index.get(index, ChoiceDelta(index)) for index in range(n)]
         body: dict[str, Any] = {
             "id": self.id,
             "object": self._object,
             "created": self.created,
             "model": self.model,
-            "choices": [self._whole_choice(i, c, want_logprobs) for i, c in enumerate(choices)],
+            "choices": [self._whole_choice(c, want_logprobs) for c in choices],
         }
-        if usage is not None:
-            body["usage"] = usage_body(usage)
+        if whole.usage is not None:
+            body["usage"] = usage_body(whole.usage)
         return body
 
-    def _whole_choice(self, index: int, choice: _Choice, want_logprobs: bool) -> dict[str, Any]:
-        logprobs = self._logprobs(choice.logprobs, 0) if want_logprobs else None
-        out: dict[str, Any] = {"index": index}
+    def _whole_choice(self, choice: ChoiceDelta, want_logprobs: bool) -> dict[str, Any]:
+        logprobs = self._logprobs(choice.logprobs or [], 0) if want_logprobs else None
+        out: dict[str, Any] = {"index": choice.index}
         if self.chat:
             out["message"] = {"role": "assistant", "content": choice.text}
         else:

@@ -100,24 +100,28 @@ class EngineArgs:
             kv_transfer_failure=self.kv_transfer_failure,
         )
 
-    def create_engine(self) -> Engine:
-        """Load the model and tokenizer and build the engine."""
+    def create_engine(self, *, with_tokenizer: bool = True) -> Engine:
+        """Load the model (and, with `with_tokenizer`, its tokenizer) and build the engine.
+
+        A worker builds its engine without a tokenizer: it sends token ids only and the router
+        detokenizes. The offline `LLM` detokenizes in the engine. Without tokenizer files in
+        the folder the engine runs on token ids alone, as the tests' tiny random models do.
+        """
         import torch
 
         from kvrelay.models.loader import load_model
-        from kvrelay.models.tokenizer import load_tokenizer
+        from kvrelay.models.tokenizer import has_tokenizer, load_tokenizer
         from kvrelay_kernels import select_backend
 
         path = self.resolve_model_path()
         config = self.create_engine_config(path)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         backend = select_backend(config.attention_backend)
         model, _ = load_model(
             path, backend, dtype=getattr(torch, config.dtype), max_positions=config.max_model_len
         )
         model.prepack()
-        return Engine(config, model, load_tokenizer(path))
+        tokenizer = load_tokenizer(path) if with_tokenizer and has_tokenizer(path) else None
+        return Engine(config, model, tokenizer)
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineArgs:

@@ -5,6 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether the model folder carries tokenizer files."""
+    return any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES)
+
 
 def load_tokenizer(folder: str | Path) -> Any:
     """The folder's `transformers` tokenizer (a `PreTrainedTokenizerBase`), chat template included.
@@ -13,10 +20,7 @@ def load_tokenizer(folder: str | Path) -> Any:
         FileNotFoundError: the folder has no tokenizer files.
     """
     folder = Path(folder)
-    if (
-        not (folder / "tokenizer.json").is_file()
-        and not (folder / "tokenizer_config.json").is_file()
-    ):
+    if not has_tokenizer(folder):
         raise FileNotFoundError(
             f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {folder}; a model "
             "folder needs them (run `kvrelay model pull-default` for the default model)"

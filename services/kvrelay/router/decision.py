@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from kvrelay.messages import Role
 from kvrelay.router.errors import UnavailableError
 
 
@@ -24,19 +25,19 @@ class Decision(Enum):
 def decide(
     num_prompt_tokens: int,
     cached_at_decode: int,
-    roles: set[str],
+    roles: set[Role],
     max_local_prefill_tokens: int,
 ) -> Decision:
     """`roles`: the roles of the healthy workers; `cached_at_decode`: prompt tokens the best
     decode worker probably holds in its prefix cache."""
-    if "decode" in roles:
-        if "prefill" not in roles:
+    if Role.DECODE in roles:
+        if Role.PREFILL not in roles:
             return Decision.DECODE_ONLY
         uncached = num_prompt_tokens - cached_at_decode
         if uncached <= max_local_prefill_tokens:
             return Decision.DECODE_ONLY
         return Decision.DISAGGREGATED
-    if "both" in roles:
+    if Role.BOTH in roles:
         return Decision.COLOCATED
     raise UnavailableError(
         "no decode or colocated worker is available to serve the request; retry shortly"

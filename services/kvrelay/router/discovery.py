@@ -16,12 +16,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvrelay.worker.pools import spawn_worker
+from kvrelay.messages import Role
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "kvrelay"
-ROLES = ("prefill", "decode", "both")
 
 
 def worker_name(role: str) -> str:
@@ -36,7 +35,7 @@ def _named_workers() -> dict[str, list[str]]:
     """Names of the live worker actors, by role."""
     import ray
 
-    by_role: dict[str, list[str]] = {role: [] for role in ROLES}
+    by_role: dict[str, list[str]] = {role.value: [] for role in Role}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name, namespace = entry["name"], entry["namespace"]
         if namespace != NAMESPACE or not name.startswith("kvrelay-"):
@@ -84,6 +83,10 @@ class WorkerManager:
         once try to create the same names, and Ray lets only one of them succeed.
         """
         import ray
+
+        # Imported here: the worker module loads torch and the engine, which a router that
+        # does not start workers never needs.
+        from kvrelay.worker.pools import spawn_worker
 
         started: dict[str, int] = {}
         resources = ray.cluster_resources()

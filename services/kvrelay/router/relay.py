@@ -16,9 +16,8 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle
+from kvrelay.messages import KVHandle, OutputDelta, Role
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.decision import Decision, decide
 from kvrelay.router.errors import InvalidRequestError, RouterError, UnavailableError
@@ -26,7 +25,6 @@ from kvrelay.router.policy import RouteQuery, RoutingPolicy
 from kvrelay.router.sample_state import SampleState
 from kvrelay.router.types import ChoiceDelta
 from kvrelay.router.workers import WorkerRegistry, WorkerState
-from kvrelay.worker.deltas import DeltaTracker, OutputDelta
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +39,7 @@ class WorkerLostError(Exception):
 class SampleRun:
     """One sample of a request on its way: what to run and where its news goes."""
 
-    request_id: str  # the worker-side id (the request id, suffixed per sample when n > 1)
+    request_id: str  # the worker-side id: messages.sample_request_id
     prompt: list[int]
     params: SamplingParams  # as the worker gets them: n = 1, no stop strings
     state: SampleState
@@ -96,44 +94,53 @@ class Relay:
                         if run.emitted
                         else f"request {run.request_id}: {exc}; retried {attempt} times"
                     ) from exc
-                logger.warning("request %s: %s; retrying on another worker", run.request_id, exc)
+                logger.warning(
+                    "request %s: %s; retrying on another worker",
+                    run.request_id,
+                    exc,
+                    exc_info=exc.__cause__,
+                )
 
     async def _run_once(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
         roles = self.registry.roles()
         blocks_needed = -(-(len(run.prompt) + (run.params.max_tokens or 0)) // block_size)
         query = RouteQuery(hashes, blocks_needed)
         index = self.registry.index
-        decoder = self.policy.pick(self.registry.healthy("decode"), query, index)
+        decoder = self.policy.pick(self.registry.healthy(Role.DECODE), query, index)
         cached = index.matched_blocks(decoder.worker_id, hashes) * block_size if decoder else 0
         run.decision = decide(len(run.prompt), cached, roles, self.config.max_local_prefill_tokens)
         self.metrics.decisions.labels(run.decision.value).inc()
         if run.decision is Decision.COLOCATED:
-            worker = self.policy.pick(self.registry.healthy("both"), query, index)
+            worker = self.policy.pick(self.registry.healthy(Role.BOTH), query, index)
             assert worker is not None
             index.record(worker.worker_id, hashes)
             await self._stream(run, worker, None)
             return
         assert decoder is not None
-        index.record(decoder.worker_id, hashes)
         if run.decision is Decision.DECODE_ONLY:
+            index.record(decoder.worker_id, hashes)
             await self._stream(run, decoder, None)
             return
-        prefiller = self.policy.pick(self.registry.healthy("prefill"), query, index)
+        prefiller = self.policy.pick(self.registry.healthy(Role.PREFILL), query, index)
         assert prefiller is not None
         index.record(prefiller.worker_id, hashes)
-        await self._disaggregated(run, prefiller, decoder)
+        await self._disaggregated(run, prefiller, decoder, hashes)
 
     async def _disaggregated(
-        self, run: SampleRun, prefill: WorkerState, decode: WorkerState
+        self, run: SampleRun, prefill: WorkerState, decode: WorkerState, hashes: Sequence[bytes]
     ) -> None:
         first = await self._prefill(run, prefill)
         run.times["prefill_done"] = time.monotonic()
-        run.take(DeltaTracker().delta(first))
+        run.take(first)
         handle = first.kv_handle
         if handle is None or run.state.finished:
             if handle is not None:  # a stop string matched the first token
                 _fire(prefill.handle.release_kv, run.request_id)
             return
+        # The decode worker holds the prompt once it pulls it, not before: recorded at the
+        # pick, a sample running alongside (n > 1) or a retry after the prefill worker died
+        # would count the prompt as cached there and prefill it whole on the decode worker.
+        self.registry.index.record(decode.worker_id, hashes)
         lease_held: bool | None = None
 
         async def release() -> bool:
@@ -149,15 +156,14 @@ class Relay:
         if not completed:
             await self._lease_lost(run, decode, handle)
 
-    async def _prefill(self, run: SampleRun, worker: WorkerState) -> RequestOutput:
+    async def _prefill(self, run: SampleRun, worker: WorkerState) -> OutputDelta:
         worker.in_flight += 1
         done = False
         try:
-            first: RequestOutput = await worker.handle.prefill.remote(
+            first: OutputDelta = await worker.handle.prefill.remote(
                 run.request_id, run.prompt, run.params
             )
             done = True
-            run.num_cached_tokens = int(first.metrics.get("num_cached_tokens", 0))
             return first
         except (RayActorError, ActorUnavailableError) as exc:
             raise WorkerLostError(worker, exc) from exc
@@ -171,6 +177,7 @@ class Relay:
     async def _lease_lost(self, run: SampleRun, decode: WorkerState, handle: KVHandle) -> None:
         """The prefill lease ended before the pull did: the pulled blocks may hold another
         request's KV. Drop them from the decode worker's cache, then recompute or fail."""
+        self.metrics.leases_lost.inc()
         await decode.handle.forget_kv.remote(handle)
         reason = f"request {run.request_id}: the prefill KV lease expired before the pull ended"
         if self.config.kv_transfer_failure == "fail":
@@ -191,7 +198,7 @@ class Relay:
         worker.in_flight += 1
         worker_done = False
         try:
-            stream = worker.handle.stream.options(num_returns="streaming").remote(
+            stream = worker.handle.generate.options(num_returns="streaming").remote(
                 run.request_id, run.prompt, run.params, handle
             )
             async for ref in stream:
@@ -226,7 +233,9 @@ async def _release(prefill: WorkerState, request_id: str) -> bool | None:
         held: bool = await prefill.handle.release_kv.remote(request_id)
         return held
     except Exception:
-        logger.warning("request %s: could not release its prefill KV lease", request_id)
+        logger.warning(
+            "request %s: could not release its prefill KV lease", request_id, exc_info=True
+        )
         return None
 
 
@@ -235,7 +244,8 @@ def _fire(method: Any, *args: Any) -> None:
     try:
         method.remote(*args)
     except Exception:
-        logger.warning("could not call %s on a worker", getattr(method, "_method_name", method))
+        name = getattr(method, "_method_name", method)
+        logger.warning("could not call %s on a worker", name, exc_info=True)
 
 
 def _task_error(exc: RayTaskError) -> RouterError:

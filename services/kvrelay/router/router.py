@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.engine.kv_cache.block_hash import hash_token_blocks
+from kvrelay.messages import Role, sample_request_id
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.admission import AdmissionController, Ticket
 from kvrelay.router.errors import (
@@ -63,7 +64,8 @@ class Router:
         self.admission = admission
         self.metrics = metrics
         self.draining = False
-        self._vocab_size = len(tokenizer)  # added tokens included; once, not per request
+        # Added tokens included; once, not per request. None: served on token ids alone.
+        self._vocab_size = len(tokenizer) if tokenizer is not None else None
 
     @classmethod
     def create(
@@ -111,8 +113,11 @@ class Router:
                 f"context length {limit}: lower max_tokens",
                 "max_tokens",
             )
-        if any(not 0 <= t < self._vocab_size for t in request.prompt_token_ids):
+        vocab = self._vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise InvalidRequestError("prompt token ids must be in [0, vocab size)", "prompt")
+        if request.params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need the model's tokenizer", "stop")
 
     def admit(self, request: GenerateRequest) -> Ticket:
         """Check the request and reserve its place now: bad input, draining, no workers and
@@ -211,11 +216,9 @@ class Router:
         params = request.params
         runs = []
         for index in range(params.n):
-            # Sample i of a seeded request draws from seed + i, exactly as the engine does
-            # when it runs the n samples itself.
-            seed = None if params.seed is None else params.seed + index
-            worker_params = dataclasses.replace(params, n=1, seed=seed, stop=())
-            rid = request.request_id if params.n == 1 else f"{request.request_id}-{index}"
+            # Stop strings are matched here, on the text; workers see token ids only.
+            worker_params = dataclasses.replace(params.for_sample(index), stop=())
+            rid = sample_request_id(request.request_id, index, params.n)
             state = SampleState(
                 index,
                 self.tokenizer,
@@ -264,7 +267,7 @@ class Router:
 
     def is_ready(self) -> bool:
         roles = self.registry.roles()
-        return not self.draining and ("decode" in roles or "both" in roles)
+        return not self.draining and (Role.DECODE in roles or Role.BOTH in roles)
 
 
 class _Timer:

@@ -23,7 +23,7 @@ class SampleState:
     def __init__(
         self,
         index: int,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         params: SamplingParams,
         prompt_token_ids: list[int],
         include_stop_str: bool = False,
@@ -36,8 +36,13 @@ class SampleState:
         self._include_stop = include_stop_str
         self._holdback = max((len(stop) for stop in params.stop), default=1) - 1
         self._sent = 0  # characters of the text already sent
-        self._detok = IncrementalDetokenizer(
-            tokenizer, params.skip_special_tokens, params.stop, prompt_token_ids
+        # No tokenizer (a model served on token ids alone): token ids only, no text.
+        self._detok = (
+            IncrementalDetokenizer(
+                tokenizer, params.skip_special_tokens, params.stop, prompt_token_ids
+            )
+            if tokenizer is not None
+            else None
         )
 
     @property
@@ -46,7 +51,7 @@ class SampleState:
 
     @property
     def text(self) -> str:
-        return self._detok.text
+        return self._detok.text if self._detok is not None else ""
 
     def feed(self, delta: SampleDelta) -> ChoiceDelta | None:
         """Take a worker delta; the news for the client (None when there is none)."""
@@ -63,7 +68,7 @@ class SampleState:
             out.token_ids.append(token_id)
             if out.logprobs is not None and logprobs is not None:
                 out.logprobs.append(to_token_logprob(token_id, logprobs[offset]))
-            _, stop = self._detok.add(token_id)
+            stop = self._detok.add(token_id)[1] if self._detok is not None else None
             if stop is not None and len(self.token_ids) >= self._min_tokens:
                 self.finish_reason, self.stop_reason = "stop", stop
                 break
@@ -78,7 +83,7 @@ class SampleState:
     def _new_text(self) -> str:
         """Text not sent yet. While running, the last `holdback` characters wait: they may be
         the start of a stop string, which the client must never see (vLLM does the same)."""
-        text = self._detok.text
+        text = self.text
         if (
             self.finish_reason == "stop"
             and self._include_stop

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvrelay.engine.sampling import SamplingParams
@@ -62,3 +64,18 @@ class GenerateChunk:
     request_id: str
     choices: list[ChoiceDelta]
     usage: Usage | None = None  # on the last chunk only
+
+
+async def collect_chunks(chunks: AsyncIterator[GenerateChunk], request_id: str) -> GenerateChunk:
+    """A whole (non-streamed) response: every sample's deltas merged into one chunk, samples in
+    index order, with the usage of the last chunk."""
+    merged: dict[int, ChoiceDelta] = {}
+    usage = None
+    async for chunk in chunks:
+        usage = chunk.usage or usage
+        for delta in chunk.choices:
+            if delta.index in merged:
+                merged[delta.index].merge(delta)
+            else:
+                merged[delta.index] = dataclasses.replace(delta, token_ids=list(delta.token_ids))
+    return GenerateChunk(request_id, [merged[i] for i in sorted(merged)], usage)

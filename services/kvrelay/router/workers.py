@@ -8,14 +8,13 @@ their stats and cached block hashes. A worker that stops answering is taken out 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.messages import EngineStats, PeerMetadata, WorkerInfo
+from kvrelay.messages import EngineStats, PeerMetadata, Role, WorkerInfo
 from kvrelay.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -30,13 +29,15 @@ class WorkerState:
     stats: EngineStats | None = None
     in_flight: int = 0  # requests the router has at this worker now (fresher than stats)
     last_seen: float = 0.0
+    # False while the worker says its engine loop is down (it gets no new requests then).
+    healthy: bool = True
 
     @property
     def worker_id(self) -> str:
         return self.info.engine_id
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.info.role
 
     @property
@@ -77,19 +78,20 @@ class WorkerRegistry:
         self._refreshes = 0
         self._lock = asyncio.Lock()
 
-    def healthy(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.role == role]
+    def healthy(self, role: Role) -> list[WorkerState]:
+        """The workers of `role` that may take new requests (alive, engine loop running)."""
+        return [w for w in self.workers.values() if w.role == role and w.healthy]
 
-    def roles(self) -> set[str]:
-        return {w.role for w in self.workers.values()}
+    def roles(self) -> set[Role]:
+        """The roles of which at least one healthy worker exists."""
+        return {w.role for w in self.workers.values() if w.healthy}
 
     def by_pool(self) -> dict[str, list[EngineStats]]:
         """Each pool's workers' latest stats (for the metrics)."""
         pools: dict[str, list[EngineStats]] = {}
         for worker in self.workers.values():
-            pool = "colocated" if worker.role == "both" else worker.role
             if worker.stats is not None:
-                pools.setdefault(pool, []).append(worker.stats)
+                pools.setdefault(worker.role.pool, []).append(worker.stats)
         return pools
 
     async def add(self, handle: Any) -> WorkerState:
@@ -98,11 +100,11 @@ class WorkerRegistry:
             self._known_actors.add(actor_key(handle))
             info: WorkerInfo = await handle.describe.remote()
             state = WorkerState(handle, info, last_seen=time.monotonic())
-            if info.role == "prefill":
+            if info.role is Role.PREFILL:
                 meta: PeerMetadata = await handle.kv_metadata.remote()
                 await asyncio.gather(*(d.handle.add_peer.remote(meta) for d in self._decoders()))
                 self._peer_metas[info.engine_id] = meta
-            elif info.role == "decode":
+            elif info.role is Role.DECODE:
                 await asyncio.gather(
                     *(handle.add_peer.remote(m) for m in self._peer_metas.values())
                 )
@@ -112,7 +114,7 @@ class WorkerRegistry:
             return state
 
     def _decoders(self) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.role == "decode"]
+        return [w for w in self.workers.values() if w.role is Role.DECODE]
 
     def remove(self, worker_id: str, reason: str) -> None:
         """Take a worker out of routing (it died or stopped answering)."""
@@ -134,6 +136,8 @@ class WorkerRegistry:
     async def _poll(self, worker: WorkerState, with_hashes: bool) -> None:
         try:
             async with asyncio.timeout(self._stats_timeout_s):
+                # health() answers at once (it does not wait for the engine's step).
+                worker.healthy = await worker.handle.health.remote()
                 worker.stats = await worker.handle.stats.remote()
                 if with_hashes:
                     hashes = await worker.handle.cached_block_hashes.remote()
@@ -145,6 +149,7 @@ class WorkerRegistry:
             if silent > self._dead_after_s:
                 self.remove(worker.worker_id, f"no answer for {silent:.0f} s")
         except Exception as exc:  # RayActorError: the actor (or its node) is gone
+            logger.debug("worker %s: poll failed", worker.worker_id, exc_info=True)
             self.remove(worker.worker_id, f"{type(exc).__name__}: {exc}")
 
     async def _add_discovered(self) -> None:
@@ -159,12 +164,14 @@ class WorkerRegistry:
                 continue
             try:
                 await self.add(handle)
-            except Exception as exc:
-                logger.warning("a discovered worker could not join: %s", exc)
+            except Exception:
+                logger.warning("a discovered worker could not join", exc_info=True)
 
     async def run(self, interval_s: float = 0.5) -> None:
         """Poll forever (a background task; cancel it to stop)."""
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self.refresh()
+            except Exception:
+                logger.exception("refreshing the workers' stats failed; retrying")
             await asyncio.sleep(interval_s)

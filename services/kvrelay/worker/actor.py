@@ -1,13 +1,15 @@
 """EngineWorker: one engine, its KV connector and its loop; a plain class that `pools.py`
-turns into a Ray actor (so it is testable in-process too)."""
+turns into a Ray actor (so it is testable in-process too).
+
+Every call that returns request output returns `OutputDelta`s (token ids and logprobs, no
+text): the router detokenizes and orchestrates prefill -> pull -> decode (router/relay.py).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
-
-import torch
 
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.outputs import RequestOutput
@@ -16,7 +18,7 @@ from kvrelay.messages import EngineStats, KVHandle, OutputDelta, PeerMetadata, R
 from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
 from kvrelay.worker.deltas import DeltaTracker
-from kvrelay.worker.engine_builder import apply_env_overrides, build_engine
+from kvrelay.worker.engine_builder import build_worker_engine
 from kvrelay.worker.engine_loop import EngineLoop
 
 
@@ -26,32 +28,32 @@ class EngineWorker:
     def __init__(
         self,
         engine_args: EngineArgs | dict[str, Any],
-        role: str = "both",
+        role: Role | str = Role.BOTH,
         transfer_backend: str = "auto",
         num_threads: int = 1,
         connector_options: dict[str, Any] | None = None,
     ) -> None:
         args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs(**engine_args)
-        args = dataclasses.replace(apply_env_overrides(args), role=role, num_threads=num_threads)
-        torch.set_num_threads(num_threads)
         self.role = Role(role)
-        self.engine = build_engine(args)
+        args = dataclasses.replace(args, role=self.role.value, num_threads=num_threads)
+        self.engine = build_worker_engine(args)
         self.connector: KVConnector | None = None
-        if role != "both":
+        if self.role.has_connector:
             self.connector = create_connector(transfer_backend, **(connector_options or {}))
             self.connector.register(self.engine.kv_tensor, self.engine.engine_id, self.engine.epoch)
         self.loop = EngineLoop(self.engine, self.connector)
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> RequestOutput:
-        """Prefill role: returns once the first token is out, with the `kv_handle` for a decode
-        worker (no handle when the request already finished at its first token)."""
+    ) -> OutputDelta:
+        """Prefill role: returns once the first token is out, as one delta whose `kv_handle`
+        says where the prompt's KV waits for a decode worker (no handle when the request
+        already finished at its first token)."""
         last: RequestOutput | None = None
         async for output in self.loop.outputs(request_id, prompt_token_ids, params):
             last = output
         assert last is not None
-        return last
+        return DeltaTracker().delta(last)
 
     async def generate(
         self,
@@ -59,22 +61,11 @@ class EngineWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         kv_handle: KVHandle | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as they come; with `kv_handle`, the prompt's KV is pulled from
-        its prefill worker (recomputed here if the pull fails). Call it with
-        `num_returns="streaming"` through Ray."""
-        async for output in self.loop.outputs(request_id, prompt_token_ids, params, kv_handle):
-            yield output
-
-    async def stream(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
     ) -> AsyncIterator[OutputDelta]:
-        """`generate`, as deltas (each step's new tokens): what the router consumes. On a
-        prefill worker the last delta carries the `kv_handle`."""
+        """Each step's new tokens, up to the finished delta; with `kv_handle`, the prompt's KV
+        is pulled from its prefill worker first (recomputed here if the pull fails, or failed,
+        by the engine's kv_transfer_failure). Call it with `num_returns="streaming"` through
+        Ray; leaving early aborts the request."""
         tracker = DeltaTracker()
         async for output in self.loop.outputs(request_id, prompt_token_ids, params, kv_handle):
             yield tracker.delta(output)
@@ -90,20 +81,6 @@ class EngineWorker:
             num_blocks=engine.num_blocks,
             max_model_len=engine.max_total_tokens,
         )
-
-    async def generate_final(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-    ) -> RequestOutput:
-        """`generate`, returning the finished output only."""
-        last: RequestOutput | None = None
-        async for output in self.generate(request_id, prompt_token_ids, params, kv_handle):
-            last = output
-        assert last is not None
-        return last
 
     async def release_kv(self, request_id: str) -> bool:
         """Prefill role: free a handed-off request's blocks; False if no lease was held."""

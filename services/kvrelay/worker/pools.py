@@ -1,20 +1,18 @@
-"""Pools: prefill and decode EngineWorker actors on Ray, and a request's way through them
-(prefill -> KV pull by the decode worker -> decode -> release of the prefill lease)."""
+"""Pools: start and stop prefill, decode or colocated EngineWorker actors on Ray.
+
+A launcher only: requests go through the router (router/relay.py is the one prefill -> pull
+-> decode orchestration), which also introduces decode workers to prefill workers.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
-import uuid
-from collections.abc import Sequence
 from typing import Any
 
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.outputs import RequestOutput
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import EngineStats, KVHandle
+from kvrelay.messages import EngineStats, Role
 from kvrelay.worker.actor import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -22,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def spawn_worker(
     engine_args: dict[str, Any],
-    role: str,
+    role: Role | str,
     transfer_backend: str = "auto",
     num_threads: int = 1,
     *,
@@ -46,35 +44,31 @@ def spawn_worker(
 
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     actor = ray.remote(EngineWorker).options(**options)
-    return actor.remote(engine_args, role, transfer_backend, num_threads)
+    return actor.remote(engine_args, Role(role).value, transfer_backend, num_threads)
 
 
 class Pools:
-    """Worker actors by role; build with `Pools.start`."""
+    """Worker actors by role; build with `Pools.start`, stop with `shutdown`."""
 
-    def __init__(
-        self,
-        prefill: list[Any],
-        decode: list[Any],
-        colocated: list[Any],
-        owns_ray: bool,
-        kv_transfer_failure: str = "recompute",
-    ) -> None:
-        self.prefill_workers = prefill
-        self.decode_workers = decode
-        self.colocated_workers = colocated
+    def __init__(self, workers: dict[Role, list[Any]], owns_ray: bool) -> None:
+        self.by_role = {role: list(workers.get(role, [])) for role in Role}
         self._owns_ray = owns_ray
-        self.kv_transfer_failure = kv_transfer_failure
-        # Requests decoded again from scratch because their prefill lease was gone when the
-        # pull ended (the pulled blocks may have been reused by then).
-        self.num_lease_recomputes = 0
-        self._next_prefill = itertools.cycle(prefill) if prefill else None
-        self._next_decode = itertools.cycle(decode) if decode else None
-        self._next_colocated = itertools.cycle(colocated) if colocated else None
+
+    @property
+    def prefill_workers(self) -> list[Any]:
+        return self.by_role[Role.PREFILL]
+
+    @property
+    def decode_workers(self) -> list[Any]:
+        return self.by_role[Role.DECODE]
+
+    @property
+    def colocated_workers(self) -> list[Any]:
+        return self.by_role[Role.BOTH]
 
     @property
     def workers(self) -> list[Any]:
-        return [*self.prefill_workers, *self.decode_workers, *self.colocated_workers]
+        return [worker for role in Role for worker in self.by_role[role]]
 
     @classmethod
     def start(
@@ -89,9 +83,9 @@ class Pools:
         num_cpus_per_worker: float = 0,
         num_threads: int = 1,
     ) -> Pools:
-        """Start Ray (unless it is up; `address` joins an existing cluster), the workers, and
-        introduce every decode worker to every prefill worker. `colocated` starts
-        `num_decode` "both" workers and no prefill pool."""
+        """Start Ray (unless it is up; `address` joins an existing cluster) and the workers,
+        and wait until every one is healthy. `colocated` starts `num_decode` colocated
+        ("both") workers and no prefill pool."""
         import ray
 
         owns_ray = False
@@ -103,102 +97,24 @@ class Pools:
             else:
                 ray.init(address=address)
             owns_ray = True
-        engine_args = EngineArgs.from_kwargs(model, dict(engine_kwargs or {}))
-        policy = engine_args.kv_transfer_failure
-        args = dataclasses.asdict(engine_args)
+        args = dataclasses.asdict(EngineArgs.from_kwargs(model, dict(engine_kwargs or {})))
 
-        def spawn(role: str) -> Any:
-            return spawn_worker(
-                args, role, transfer_backend, num_threads, num_cpus=num_cpus_per_worker
-            )
+        def spawn(role: Role, count: int) -> list[Any]:
+            return [
+                spawn_worker(
+                    args, role, transfer_backend, num_threads, num_cpus=num_cpus_per_worker
+                )
+                for _ in range(count)
+            ]
 
         if colocated:
-            pools = cls([], [], [spawn("both") for _ in range(num_decode)], owns_ray, policy)
+            pools = cls({Role.BOTH: spawn(Role.BOTH, num_decode)}, owns_ray)
         else:
-            prefill = [spawn("prefill") for _ in range(num_prefill)]
-            decode = [spawn("decode") for _ in range(num_decode)]
-            metas = ray.get([worker.kv_metadata.remote() for worker in prefill])
-            ray.get([d.add_peer.remote(meta) for d in decode for meta in metas])
-            pools = cls(prefill, decode, [], owns_ray, policy)
+            workers = {Role.PREFILL: spawn(Role.PREFILL, num_prefill)}
+            workers[Role.DECODE] = spawn(Role.DECODE, num_decode)
+            pools = cls(workers, owns_ray)
         ray.get([worker.health.remote() for worker in pools.workers])
         return pools
-
-    async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-    ) -> RequestOutput:
-        """One request, whole; its finished output."""
-        rid = request_id or uuid.uuid4().hex
-        prompt = list(prompt_token_ids)
-        if self._next_colocated is not None:
-            worker = next(self._next_colocated)
-            return await worker.generate_final.remote(rid, prompt, params)
-        assert self._next_prefill is not None and self._next_decode is not None
-        prefill, decode = next(self._next_prefill), next(self._next_decode)
-        first: RequestOutput = await prefill.prefill.remote(rid, prompt, params)
-        if first.kv_handle is None:
-            return first  # finished at its first token
-        handle = first.kv_handle
-        last: RequestOutput | None = None
-        lease_held: bool | None = None  # None: not asked yet, or the prefill worker is gone
-        released = False
-        try:
-            stream = decode.generate.options(num_returns="streaming").remote(
-                rid, prompt, params, handle
-            )
-            async for ref in stream:
-                last = await ref
-                if not released:
-                    # The first output comes after the pull ended: a lease still held now was
-                    # held through the whole pull, so the pulled blocks were the prompt's.
-                    released = True
-                    lease_held = await self._release(prefill, rid)
-                    if lease_held is False:
-                        break
-        finally:
-            if not released:
-                await self._release(prefill, rid)
-        if lease_held is False:
-            return await self._lease_lost(decode, rid, prompt, params, handle, last)
-        assert last is not None
-        return last
-
-    async def _release(self, prefill: Any, rid: str) -> bool | None:
-        """Release `rid`'s prefill lease: whether it was still held; None when the prefill
-        worker could not be reached (a dead one cannot reuse the blocks either)."""
-        try:
-            held: bool = await prefill.release_kv.remote(rid)
-            return held
-        except Exception:
-            logger.warning("request %s: could not release its prefill KV lease", rid)
-            return None
-
-    async def _lease_lost(
-        self,
-        decode: Any,
-        rid: str,
-        prompt: list[int],
-        params: SamplingParams,
-        handle: KVHandle,
-        last: RequestOutput | None,
-    ) -> RequestOutput:
-        """The prefill lease ended (expired) before the pull did: what was pulled may be
-        another request's KV. Stop that decode, then recompute the prompt, or fail."""
-        if last is None or not last.finished:
-            await decode.abort.remote(rid)
-        await decode.forget_kv.remote(handle)  # the pulled blocks may be cached: drop them
-        reason = f"request {rid}: the prefill KV lease expired before the decode worker pulled it"
-        if self.kv_transfer_failure == "fail":
-            raise RuntimeError(
-                f"KV transfer failed: {reason}; retry, raise kv_lease_seconds, "
-                "or set kv_transfer_failure=recompute"
-            )
-        logger.warning("%s; recomputing its prompt on the decode worker", reason)
-        self.num_lease_recomputes += 1
-        output: RequestOutput = await decode.generate_final.remote(rid, prompt, params)
-        return output
 
     def stats(self) -> list[EngineStats]:
         import ray
@@ -212,8 +128,8 @@ class Pools:
             try:
                 ray.get(worker.shutdown.remote(), timeout=30)
             except Exception:
-                logger.warning("a worker did not shut down cleanly")
+                logger.warning("a worker did not shut down cleanly", exc_info=True)
             ray.kill(worker)
-        self.prefill_workers, self.decode_workers, self.colocated_workers = [], [], []
+        self.by_role = {role: [] for role in Role}
         if self._owns_ray:
             ray.shutdown()
