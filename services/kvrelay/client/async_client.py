@@ -12,59 +12,46 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
 
+from kvrelay.client.base import Attempts, ClientBase, StreamState
 from kvrelay.client.convert import (
     ResultAssembler,
     build_request,
     chunk_from_proto,
     model_from_proto,
 )
-from kvrelay.client.errors import DeadlineExceededError, from_rpc_error
-from kvrelay.client.health import HEALTH_TIMEOUT, health_request, is_serving
-from kvrelay.client.options import DEFAULT_TARGET, ClientOptions, build_options
-from kvrelay.client.retry import Deadline, RetryEvent, RetryHook, RetryPolicy
+from kvrelay.client.errors import from_rpc_error
+from kvrelay.client.health import health_request, is_serving
+from kvrelay.client.options import ClientOptions
 from kvrelay.client.types import ChatMessage, GenerateChunk, GenerateResult, Model
 from kvrelay.v1 import generation_pb2 as pb
-from kvrelay.v1 import generation_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncClient", "AsyncStream"]
 
 T = TypeVar("T")
 
 
-class AsyncStream(AsyncIterator[GenerateChunk]):
+class AsyncStream(StreamState, AsyncIterator[GenerateChunk]):
     """The chunks of one streamed call. `async for` over it; `close()` (or leaving an
     `async with` block) cancels the call on the server."""
-
-    def __init__(self, call: Any, first: pb.GenerateResponse | None) -> None:
-        self._call = call
-        self._first = first
-        self._done = first is None
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> GenerateChunk:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return chunk_from_proto(first)
+        first = self._take_first()
+        if first is not None:
+            return first
         if self._done:
             raise StopAsyncIteration
         try:
             response = await self._call.read()
         except grpc.RpcError as exc:
-            self._done = True
-            raise from_rpc_error(exc) from None
+            raise self._failed(exc) from None
         if response is grpc.aio.EOF:
             self._done = True
             raise StopAsyncIteration
         return chunk_from_proto(response)
-
-    def close(self) -> None:
-        """Cancel the call if it is still running (a no-op once it has finished)."""
-        self._done = True
-        self._call.cancel()
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -78,39 +65,8 @@ class AsyncStream(AsyncIterator[GenerateChunk]):
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(ClientBase[grpc.aio.Channel]):
     """asyncio client of `kvrelay.v1.Generation`; arguments as `kvrelay.client.Client`."""
-
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        api_key: str | None = None,
-        timeout: float | None = None,
-        max_retries: int | None = None,
-        retry_policy: RetryPolicy | None = None,
-        on_retry: RetryHook | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self._options = build_options(
-            target,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            retry_policy=retry_policy,
-            on_retry=on_retry,
-            credentials=credentials,
-            channel_options=tuple(channel_options),
-        )
-        self._channel = _open_channel(self._options)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        # Typed Any: the grpc_health stubs declare HealthStub without its Check method.
-        self._health: Any = health_pb2_grpc.HealthStub(self._channel)
-
-    @property
-    def options(self) -> ClientOptions:
-        return self._options
 
     # --- generation ------------------------------------------------------------------------
 
@@ -209,7 +165,7 @@ class AsyncClient:
                 raise
             return AsyncStream(call, None if first is grpc.aio.EOF else first)
 
-        stream = await self._with_retries(attempt, self._options.deadline(timeout))
+        stream = await self._with_retries(attempt, timeout)
         if request.stream:
             return stream
         assembler = ResultAssembler()
@@ -229,7 +185,7 @@ class AsyncClient:
             )
             return response
 
-        response = await self._with_retries(attempt, self._options.deadline(timeout))
+        response = await self._with_retries(attempt, timeout)
         return [model_from_proto(m) for m in response.models]
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> bool:
@@ -237,7 +193,7 @@ class AsyncClient:
         try:
             response = await self._health.Check(
                 health_request(service),
-                timeout=timeout or self._options.timeout or HEALTH_TIMEOUT,
+                timeout=self._health_timeout(timeout),
                 metadata=self._options.metadata,
             )
         except grpc.RpcError:
@@ -247,29 +203,17 @@ class AsyncClient:
     # --- retries ---------------------------------------------------------------------------
 
     async def _with_retries(
-        self, attempt: Callable[[float | None], Awaitable[T]], deadline: Deadline
+        self, attempt: Callable[[float | None], Awaitable[T]], timeout: float | None
     ) -> T:
         """As `Client._with_retries`, sleeping without blocking the loop."""
-        policy, hook = self._options.retry, self._options.on_retry
-        number = 0
+        attempts = Attempts(self._options, timeout)
         while True:
-            remaining = deadline.remaining()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceededError(
-                    "deadline passed before the call could be sent",
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                )
+            remaining = attempts.remaining()
             try:
                 return await attempt(remaining)
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-            delay = policy.delay_before_retry(number, error, deadline.remaining())
-            if delay is None:
-                raise error
-            if hook is not None:
-                hook(RetryEvent(attempt=number, error=error, delay=delay))
-            await asyncio.sleep(delay)
-            number += 1
+            await asyncio.sleep(attempts.backoff(error))
 
     # --- lifetime --------------------------------------------------------------------------
 
@@ -288,9 +232,8 @@ class AsyncClient:
     ) -> None:
         await self.close()
 
-
-def _open_channel(options: ClientOptions) -> grpc.aio.Channel:
-    channel_options = list(options.channel_options)
-    if options.credentials is None:
-        return grpc.aio.insecure_channel(options.target, options=channel_options)
-    return grpc.aio.secure_channel(options.target, options.credentials, options=channel_options)
+    def _open_channel(self, options: ClientOptions) -> grpc.aio.Channel:
+        channel_options = list(options.channel_options)
+        if options.credentials is None:
+            return grpc.aio.insecure_channel(options.target, options=channel_options)
+        return grpc.aio.secure_channel(options.target, options.credentials, options=channel_options)

@@ -8,47 +8,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
 
+from kvrelay.client.base import Attempts, ClientBase, ClosingContext, StreamState
 from kvrelay.client.convert import (
     ResultAssembler,
     build_request,
     chunk_from_proto,
     model_from_proto,
 )
-from kvrelay.client.errors import DeadlineExceededError, from_rpc_error
-from kvrelay.client.health import HEALTH_TIMEOUT, health_request, is_serving
-from kvrelay.client.options import DEFAULT_TARGET, ClientOptions, build_options
-from kvrelay.client.retry import Deadline, RetryEvent, RetryHook, RetryPolicy
+from kvrelay.client.errors import from_rpc_error
+from kvrelay.client.health import health_request, is_serving
+from kvrelay.client.options import ClientOptions
 from kvrelay.client.types import ChatMessage, GenerateChunk, GenerateResult, Model
 from kvrelay.v1 import generation_pb2 as pb
-from kvrelay.v1 import generation_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Stream"]
 
 T = TypeVar("T")
 
 
-class Stream(Iterator[GenerateChunk]):
+class Stream(StreamState, ClosingContext, Iterator[GenerateChunk]):
     """The chunks of one streamed call. Iterate it; `close()` (or leaving a `with` block, or
     breaking out early and closing) cancels the call on the server."""
-
-    def __init__(self, call: Any, first: pb.GenerateResponse | None) -> None:
-        self._call = call
-        self._first = first
-        self._done = first is None
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> GenerateChunk:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return chunk_from_proto(first)
+        first = self._take_first()
+        if first is not None:
+            return first
         if self._done:
             raise StopIteration
         try:
@@ -57,28 +49,11 @@ class Stream(Iterator[GenerateChunk]):
             self._done = True
             raise
         except grpc.RpcError as exc:
-            self._done = True
-            raise from_rpc_error(exc) from None
+            raise self._failed(exc) from None
         return chunk_from_proto(response)
 
-    def close(self) -> None:
-        """Cancel the call if it is still running (a no-op once it has finished)."""
-        self._done = True
-        self._call.cancel()
 
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class Client:
+class Client(ClientBase[grpc.Channel], ClosingContext):
     """Blocking client of `kvrelay.v1.Generation`.
 
     Args:
@@ -90,37 +65,6 @@ class Client:
         retry_policy: backoff settings; `on_retry` is called before each backoff sleep.
         credentials: TLS channel credentials; None is plaintext.
     """
-
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        api_key: str | None = None,
-        timeout: float | None = None,
-        max_retries: int | None = None,
-        retry_policy: RetryPolicy | None = None,
-        on_retry: RetryHook | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self._options = build_options(
-            target,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            retry_policy=retry_policy,
-            on_retry=on_retry,
-            credentials=credentials,
-            channel_options=tuple(channel_options),
-        )
-        self._channel = _open_channel(self._options)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        # Typed Any: the grpc_health stubs declare HealthStub without its Check method.
-        self._health: Any = health_pb2_grpc.HealthStub(self._channel)
-
-    @property
-    def options(self) -> ClientOptions:
-        return self._options
 
     # --- generation ------------------------------------------------------------------------
 
@@ -222,7 +166,7 @@ class Client:
                 first = None
             return Stream(call, first)
 
-        stream = self._with_retries(attempt, self._options.deadline(timeout))
+        stream = self._with_retries(attempt, timeout)
         if request.stream:
             return stream
         assembler = ResultAssembler()
@@ -239,7 +183,7 @@ class Client:
             lambda remaining: self._stub.ListModels(
                 pb.ListModelsRequest(), timeout=remaining, metadata=self._options.metadata
             ),
-            self._options.deadline(timeout),
+            timeout,
         )
         return [model_from_proto(m) for m in response.models]
 
@@ -249,7 +193,7 @@ class Client:
         try:
             response = self._health.Check(
                 health_request(service),
-                timeout=timeout or self._options.timeout or HEALTH_TIMEOUT,
+                timeout=self._health_timeout(timeout),
                 metadata=self._options.metadata,
             )
         except grpc.RpcError:
@@ -258,30 +202,18 @@ class Client:
 
     # --- retries ---------------------------------------------------------------------------
 
-    def _with_retries(self, attempt: Callable[[float | None], T], deadline: Deadline) -> T:
+    def _with_retries(self, attempt: Callable[[float | None], T], timeout: float | None) -> T:
         """Run `attempt(remaining_seconds)` until it returns, re-running it after retryable
         errors as the policy allows. `attempt` must return as soon as the first response is in,
         so that anything after that point is outside this loop and never re-sent."""
-        policy, hook = self._options.retry, self._options.on_retry
-        number = 0
+        attempts = Attempts(self._options, timeout)
         while True:
-            remaining = deadline.remaining()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceededError(
-                    "deadline passed before the call could be sent",
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                )
+            remaining = attempts.remaining()
             try:
                 return attempt(remaining)
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-            delay = policy.delay_before_retry(number, error, deadline.remaining())
-            if delay is None:
-                raise error
-            if hook is not None:
-                hook(RetryEvent(attempt=number, error=error, delay=delay))
-            time.sleep(delay)
-            number += 1
+            time.sleep(attempts.backoff(error))
 
     # --- lifetime --------------------------------------------------------------------------
 
@@ -289,20 +221,8 @@ class Client:
         """Close the channel; calls in flight are cancelled."""
         self._channel.close()
 
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-def _open_channel(options: ClientOptions) -> grpc.Channel:
-    channel_options = list(options.channel_options)
-    if options.credentials is None:
-        return grpc.insecure_channel(options.target, options=channel_options)
-    return grpc.secure_channel(options.target, options.credentials, options=channel_options)
+    def _open_channel(self, options: ClientOptions) -> grpc.Channel:
+        channel_options = list(options.channel_options)
+        if options.credentials is None:
+            return grpc.insecure_channel(options.target, options=channel_options)
+        return grpc.secure_channel(options.target, options.credentials, options=channel_options)
