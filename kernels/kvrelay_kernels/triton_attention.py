@@ -189,33 +189,11 @@ def paged_attention(
         raise ValueError("kv_cache's head_dim must be contiguous")
     # Without a plan nothing says whether the batch is decode only; size tiles for prefill.
     all_decode = plan is not None and not plan.prefills
-    _launch(out, query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale, all_decode)
-    return out
-
-
-def _launch(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    all_decode: bool,
-) -> None:
-    """Size the tiles and launch the kernel over a non-empty batch."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    group_p = _pow2_at_least(group)
-    # tl.dot needs at least 16 rows; decode tiles hold one token, prefill tiles ~64 rows.
-    block_q = max(1, (16 if all_decode else 64) // group_p)
-    head_dim_p = _pow2_at_least(head_dim, 16)
+    constants = _kernel_constants(query, kv_cache, all_decode)
+    block_q, num_seqs = int(constants["BLOCK_Q"]), seq_lens.shape[0]
     # sum(ceil(q_len / block_q)) <= num_tokens // block_q + num_seqs: a host-side bound, so
     # the launch needs no device -> host copy.
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = (query.shape[0] // block_q + num_seqs, kv_cache.shape[4])
     _paged_attention_kernel[grid](
         out,
         query,
@@ -236,18 +214,34 @@ def _launch(
         kv_cache.stride(4),
         block_tables.stride(0),
         scale * _LOG2E,
-        GROUP=group,
-        GROUP_P=group_p,
-        BLOCK_Q=block_q,
-        BLOCK_N=64 if head_dim_p <= 128 else 32,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size,
-        # triton 3.9's interpreter computes bf16 / fp16 tl.dot wrongly (garbage): it does
-        # those dots in fp32, on the same 16-bit inputs.
-        DOT_F32=kv_cache.dtype == torch.float32 or not query.is_cuda,
+        **constants,
         num_warps=4,
     )
+    return out
+
+
+def _kernel_constants(
+    query: torch.Tensor, kv_cache: torch.Tensor, all_decode: bool
+) -> dict[str, int | bool]:
+    """The kernel's constexpr arguments (its tile shape) for this batch."""
+    _, num_heads, head_dim = query.shape
+    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    group_p = _pow2_at_least(group)
+    head_dim_p = _pow2_at_least(head_dim, 16)
+    return {
+        "GROUP": group,
+        "GROUP_P": group_p,
+        # tl.dot needs at least 16 rows; decode tiles hold one token, prefill tiles ~64 rows.
+        "BLOCK_Q": max(1, (16 if all_decode else 64) // group_p),
+        "BLOCK_N": 64 if head_dim_p <= 128 else 32,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_P": head_dim_p,
+        "BLOCK_SIZE": block_size,
+        # triton 3.9's interpreter computes bf16 / fp16 tl.dot wrongly (garbage): it does
+        # those dots in fp32, on the same 16-bit inputs.
+        "DOT_F32": kv_cache.dtype == torch.float32 or not query.is_cuda,
+    }
 
 
 def _cumulative_tiles(query_start_loc: torch.Tensor, block_q: int) -> torch.Tensor:
