@@ -64,6 +64,18 @@ class RouterMetrics:
         self.decode_time = latency(
             "kvrelay_request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS
         )
+        self._add_counters()
+        self.in_flight = Gauge(
+            "kvrelay_router_requests_in_flight", "Admitted requests running.", registry=r
+        )
+        self.queued = Gauge(
+            "kvrelay_router_requests_queued", "Requests waiting for admission.", registry=r
+        )
+        for decision in DECISIONS:
+            self.decisions.labels(decision)  # export zeros so rate() has a series from the start
+
+    def _add_counters(self) -> None:
+        r = self.registry
         self.requests = Counter(
             "kvrelay_requests", "Requests by outcome.", ["model", "outcome"], registry=r
         )
@@ -85,14 +97,6 @@ class RouterMetrics:
             "(the pulled blocks were dropped; the prompt recomputed, or the request failed).",
             registry=r,
         )
-        self.in_flight = Gauge(
-            "kvrelay_router_requests_in_flight", "Admitted requests running.", registry=r
-        )
-        self.queued = Gauge(
-            "kvrelay_router_requests_queued", "Requests waiting for admission.", registry=r
-        )
-        for decision in DECISIONS:
-            self.decisions.labels(decision)  # export zeros so rate() has a series from the start
 
     def watch_pools(self, snapshot: Callable[[], Mapping[str, Sequence[EngineStats]]]) -> None:
         """Export the pools' gauges and counters from `snapshot()`: pool -> its workers'
