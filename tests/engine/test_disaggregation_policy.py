@@ -1,5 +1,6 @@
 """kv_transfer_failure: "recompute" (the default) recomputes an unusable prompt KV on the
-decode engine; "fail" finishes the request aborted with a clear error and frees its blocks."""
+decode engine; "fail" finishes the request aborted with a clear error and frees its blocks,
+its final output returned by the next `step`."""
 
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ def test_failed_pull_fails_the_request(make_engine: EngineFactory) -> None:
     plan = dec.add_prefilled_request("r", PROMPT, greedy(6), handle)
     assert plan is not None and dec.stats().num_pulling == 1
     dec.finish_pull("r", ok=False)
-    [output] = dec.pop_failed_outputs()
+    assert dec.has_work()  # only the failed output is pending: a loop must still step
+    [output] = dec.step()
     assert_failed(output, "the KV transfer failed")
-    assert dec.pop_failed_outputs() == []
+    assert dec.step() == [] and not dec.has_work()
+    assert not dec.has_unfinished_requests()
     stats = dec.stats()
     assert stats.kv_transfer_failures == 1 and stats.kv_pull_fallbacks == 0
     assert stats.num_pulling == 0
@@ -59,7 +62,7 @@ def test_mismatched_handle_fails_the_request(make_engine: EngineFactory) -> None
     handle = prefill(pre, {"r": PROMPT}, greedy(6))["r"]
     other = [*PROMPT[:-1], PROMPT[-1] + 1]  # same length, other tokens: hashes differ
     assert dec.add_prefilled_request("r", other, greedy(6), handle) is None
-    [output] = dec.pop_failed_outputs()
+    [output] = dec.step()
     assert_failed(output, "block hashes differ")
     assert dec.stats().kv_transfer_failures == 1
     assert_pool_whole(dec)
@@ -74,8 +77,9 @@ def test_no_free_blocks_fails_the_request(make_engine: EngineFactory) -> None:
     dec.add_request("hog", list(range(40, 60)), greedy(4))
     dec.step()
     assert dec.add_prefilled_request("r", PROMPT, greedy(6), handle) is None
-    [output] = dec.pop_failed_outputs()
-    assert_failed(output, "no free KV blocks")
+    outputs = {output.request_id: output for output in dec.step()}
+    assert set(outputs) == {"hog", "r"}  # the failed output comes with the batch's
+    assert_failed(outputs["r"], "no free KV blocks")
     decode_all(dec)
     assert dec.stats().kv_transfer_failures == 1
     assert_pool_whole(dec)
@@ -87,7 +91,8 @@ def test_recompute_is_still_the_default(make_engine: EngineFactory) -> None:
     handle = prefill(pre, {"r": PROMPT}, greedy(6))["r"]
     assert dec.add_prefilled_request("r", PROMPT, greedy(6), handle) is not None
     dec.finish_pull("r", ok=False)
-    assert dec.pop_failed_outputs() == []
+    [first] = dec.step()  # recomputing, not failed
+    assert not first.finished and first.outputs[0].finish_reason is None
     outputs = decode_all(dec)
     assert outputs["r"].outputs[0].finish_reason == "length"
     assert len(outputs["r"].outputs[0].token_ids) == 6

@@ -161,3 +161,19 @@ def test_failed_step_frees_the_batch(
     with pytest.raises(RuntimeError, match="forward failed"):
         engine.step()
     assert_pool_whole(engine)
+
+
+def test_n_samples_follow_the_one_fan_out_rule(make_engine: EngineFactory) -> None:
+    """Sample ids are `sample_request_id`'s and seeds `for_sample`'s: the top seed wraps to 0
+    (seed + index mod 2**64), so sample 1 is what a request seeded 0 gives."""
+    engine = make_engine()
+    params = SamplingParams(n=2, temperature=1.0, seed=2**64 - 1, max_tokens=8)
+    engine.add_request("group", [4, 5, 6], params)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["group#0"]  # #1 forks from it
+    engine.add_request(
+        "top", [4, 5, 6], SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=8)
+    )
+    engine.add_request("zero", [4, 5, 6], SamplingParams(temperature=1.0, seed=0, max_tokens=8))
+    done = run_to_completion(engine)
+    assert done["group"] == [done["top"][0], done["zero"][0]]
+    assert_pool_whole(engine)

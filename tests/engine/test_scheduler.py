@@ -136,3 +136,61 @@ def test_finish_frees_blocks() -> None:
     s.finish(r, RequestStatus.FINISHED_ABORTED)
     assert s.kv_cache.pool.is_whole()
     assert s.num_unfinished == 0
+
+
+# --- requests waiting for remote KV (decode role) --------------------------------------------
+
+
+def remote_request(s: Scheduler, rid: str = "p", prompt_len: int = 10) -> Request:
+    """A prefilled request as the decode engine holds it: the prefill's first token appended,
+    the prompt's blocks allocated, its KV not yet pulled."""
+    request = make_request(rid, prompt_len)
+    request.output_token_ids.append(7)
+    assert s.kv_cache.allocate_slots(rid, prompt_len)
+    s.add_waiting_for_remote_kv(request)
+    return request
+
+
+def test_a_request_waiting_for_remote_kv_is_never_scheduled() -> None:
+    s = make_scheduler()
+    request = remote_request(s)
+    s.add(make_request("local", 5))
+    for _ in range(3):
+        out = s.schedule()
+        assert all(c.request is not request for c in out.chunks)
+        assert request not in s.waiting and request not in s.running
+        run_step(s, out)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert s.waiting_for_remote_kv == {"p": request}
+    assert s.num_unfinished == 2
+    assert s.kv_cache.block_table("p") != []  # its blocks stay allocated meanwhile
+
+
+def test_landed_remote_kv_joins_the_batch_decoding() -> None:
+    s = make_scheduler()
+    request = remote_request(s)
+    s.finish_remote_kv(request, ok=True)
+    assert request.status == RequestStatus.RUNNING and s.running == [request]
+    assert not s.waiting_for_remote_kv
+    assert request.num_computed_tokens == 10
+    assert plan(s.schedule()) == [("p", 10, 1)]  # a decode step: the prompt is not recomputed
+
+
+def test_failed_remote_kv_recomputes_from_scratch() -> None:
+    s = make_scheduler()
+    request = remote_request(s)
+    s.finish_remote_kv(request, ok=False)
+    assert s.kv_cache.pool.is_whole()  # its blocks were freed
+    assert request.status == RequestStatus.WAITING and s.waiting == [request]
+    assert request.num_computed_tokens == 0
+    assert plan(s.schedule()) == [("p", 0, 11)]  # prompt + the first token
+
+
+def test_finish_while_waiting_for_remote_kv_frees_its_blocks() -> None:
+    s = make_scheduler()
+    request = remote_request(s)
+    assert not s.kv_cache.pool.is_whole()
+    s.finish(request, RequestStatus.FINISHED_ABORTED)
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert not s.waiting_for_remote_kv and s.num_unfinished == 0
+    assert s.kv_cache.pool.is_whole()

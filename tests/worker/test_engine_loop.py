@@ -1,4 +1,5 @@
-"""EngineWorker in-process (no Ray): its loop thread streams outputs, aborts free blocks."""
+"""EngineWorker and EngineLoop in-process (no Ray): the loop thread streams outputs, aborts
+free blocks, and a request failed outside a step still reaches its caller."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvrelay.engine.args import EngineArgs
+from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.worker.actor import EngineWorker
-from tests.engine.conftest import EngineFactory, run_to_completion
+from kvrelay.worker.engine_loop import EngineLoop
+from tests.engine.conftest import EngineFactory, assert_pool_whole, run_to_completion
+from tests.engine.test_disaggregation import prefill
 from tests.worker.conftest import TINY_ENGINE_KWARGS
 
 
@@ -25,7 +29,12 @@ def test_colocated_worker_streams_the_engine_output(
     prompts = {f"r{i}": list(range(3 + i, 20 + 2 * i)) for i in range(3)}
 
     async def one(rid: str) -> list[list[int]]:
-        seen = [o.outputs[0].token_ids async for o in worker.generate(rid, prompts[rid], greedy(6))]
+        """The sample's tokens so far after each delta."""
+        tokens: list[int] = []
+        seen = []
+        async for delta in worker.generate(rid, prompts[rid], greedy(6)):
+            tokens.extend(delta.samples[0].token_ids)
+            seen.append(list(tokens))
         return seen
 
     async def main() -> dict[str, list[list[int]]]:
@@ -52,8 +61,10 @@ def test_abort_mid_stream_frees_the_blocks(tiny_llama_dir: Path) -> None:
     worker = EngineWorker(EngineArgs(model=str(tiny_llama_dir), **TINY_ENGINE_KWARGS))
 
     async def main() -> None:
-        async for output in worker.generate("a", list(range(5, 30)), greedy(200)):
-            if len(output.outputs[0].token_ids) == 3:
+        num_tokens = 0
+        async for delta in worker.generate("a", list(range(5, 30)), greedy(200)):
+            num_tokens += len(delta.samples[0].token_ids)
+            if num_tokens == 3:
                 break  # leaving the stream aborts the request
         await asyncio.sleep(0)
 
@@ -81,3 +92,31 @@ def test_engine_flags_from_the_environment_override_per_pool() -> None:
     assert apply_env_overrides(base, {}) == base
     with pytest.raises(ValueError, match="KVRELAY_ENGINE_ARGS"):
         apply_env_overrides(base, {"KVRELAY_ENGINE_ARGS": "--no-such-flag 1"})
+
+
+PROMPT = list(range(3, 23))
+
+
+@pytest.mark.parametrize("failure", ["pull", "mismatch"])
+def test_fail_policy_output_reaches_the_caller(make_engine: EngineFactory, failure: str) -> None:
+    """kv_transfer_failure="fail" finishes the request outside a step (at the add for a
+    mismatched handle, at finish_pull for a failed pull): the loop must still step to hand
+    the final output over, or the caller waits forever."""
+    handle = prefill(make_engine(role="prefill"), {"r": PROMPT}, greedy(4))["r"]
+    engine = make_engine(role="decode", kv_transfer_failure="fail")
+    loop = EngineLoop(engine, connector=None)  # no connector: every pull fails
+    prompt = PROMPT if failure == "pull" else [*PROMPT[:-1], PROMPT[-1] + 1]
+
+    async def collect() -> list[RequestOutput]:
+        return [output async for output in loop.outputs("r", prompt, greedy(4), handle)]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(collect(), timeout=30))
+    finally:
+        loop.shutdown()
+    [final] = outputs
+    sample = final.outputs[0]
+    assert final.finished and sample.finish_reason == "abort"
+    assert isinstance(sample.stop_reason, str) and "KV transfer failed" in sample.stop_reason
+    assert engine.stats().kv_transfer_failures == 1
+    assert_pool_whole(engine)

@@ -1,17 +1,20 @@
 """A user's request as the caller sees it: `n` sampled sequences, their text, one output.
 
-The scheduler only knows sequences (`Request`); this groups them back and detokenizes.
+The scheduler only knows sequences (`Request`); this fans a request out into them, groups them
+back and detokenizes. It never schedules or frees anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request
-from kvrelay.messages import KVHandle
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import KVHandle, sample_request_id
 
 
 @dataclass
@@ -26,24 +29,47 @@ class ParentRequest:
     kv_handle: KVHandle | None = None  # set when a prefill engine hands the request off
 
     @classmethod
-    def create(
+    def fan_out(
         cls,
         request_id: str,
         prompt: str | None,
-        children: Sequence[Request],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
         tokenizer: Tokenizer | None,
+        max_total_tokens: int,
+        eos_token_ids: tuple[int, ...],
+        priority: int = 0,
     ) -> ParentRequest:
-        first = children[0]
-        params = first.sampling_params
+        """A request's `params.n` samples, each the request of its own that
+        `params.for_sample(index)` describes (n = 1, seed + index), with id
+        `sample_request_id(request_id, index, n)`: the one fan-out rule."""
+        children = []
+        for index in range(params.n):
+            sample_params = params.for_sample(index)
+            generator = None
+            if sample_params.seed is not None:
+                generator = torch.Generator().manual_seed(sample_params.seed)
+            children.append(
+                Request(
+                    request_id=sample_request_id(request_id, index, params.n),
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=sample_params,
+                    max_total_tokens=max_total_tokens,
+                    eos_token_ids=eos_token_ids,
+                    priority=priority,
+                    generator=generator,
+                )
+            )
         detoks: list[IncrementalDetokenizer | None] = [
             IncrementalDetokenizer(
-                tokenizer, params.skip_special_tokens, params.stop, first.prompt_token_ids
+                tokenizer, params.skip_special_tokens, params.stop, prompt_token_ids
             )
             if tokenizer is not None
             else None
             for _ in children
         ]
-        return cls(request_id, prompt, first.prompt_token_ids, list(children), detoks)
+        return cls(request_id, prompt, prompt_token_ids, children, detoks)
 
     @property
     def finished(self) -> bool:

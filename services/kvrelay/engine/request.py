@@ -1,4 +1,5 @@
-"""One sequence's state as it moves through the engine: waiting, running, preempted, finished.
+"""One sequence's state as it moves through the engine: waiting, running, preempted, finished;
+and what a prompt must satisfy to become one. It never schedules or allocates anything.
 
 A request with `n` > 1 is run as `n` sequences (see `Engine.add_request`); each is a `Request`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +23,8 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
 
     WAITING = 0
-    WAITING_FOR_KV = 1  # decode role: its prompt's blocks are being pulled from a prefill engine
+    # Decode role: its prompt's blocks are being pulled from a prefill engine (vLLM's name).
+    WAITING_FOR_REMOTE_KVS = 1
     RUNNING = 2
     PREEMPTED = 3
     FINISHED_STOPPED = 4  # EOS, a stop token or a stop string
@@ -126,3 +129,33 @@ class Request:
         if self.num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def validate_prompt(
+    prompt_token_ids: Sequence[int], *, vocab_size: int, max_model_len: int, kv_capacity: int
+) -> list[int]:
+    """The prompt as a list of ints, checked against the model and the KV cache.
+
+    Raises:
+        ValueError: an empty prompt, a token outside [0, vocab_size), or a prompt that leaves
+            no room for a generated token in max_model_len or in the KV cache's `kv_capacity`
+            tokens.
+    """
+    ids = [int(t) for t in prompt_token_ids]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens but max_model_len is {max_model_len}: it must "
+            "leave room for at least one generated token; shorten the prompt or raise "
+            "max_model_len"
+        )
+    if len(ids) + 1 > kv_capacity:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens but the KV cache holds only {kv_capacity}; "
+            "raise num_blocks / kv_cache_memory"
+        )
+    return ids

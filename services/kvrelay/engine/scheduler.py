@@ -6,7 +6,8 @@ arrival order. When the KV pool runs out, the newest, lowest-priority running re
 preempted: its blocks are freed and it is recomputed later (its output is kept), reusing
 whatever of it the prefix cache still holds. A request admitted with `forks` (the other samples
 of an `n` > 1 request) prefills once; its forks join at its first sampled token, sharing its
-blocks (copy-on-write).
+blocks (copy-on-write). A request whose prompt KV is being pulled from a prefill engine waits
+apart (`add_waiting_for_remote_kv`) until `finish_remote_kv` lets it run or recompute.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # Requests whose prompt KV is being pulled from a prefill engine (blocks allocated),
+        # by request id: neither waiting nor running until `finish_remote_kv`.
+        self.waiting_for_remote_kv: dict[str, Request] = {}
         self.num_preemptions = 0
         # Samples waiting for their leader's first token, by leader request id.
         self._forks: dict[str, list[Request]] = {}
@@ -78,7 +82,8 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         pending = sum(len(forks) for forks in self._forks.values())
-        return len(self.waiting) + len(self.running) + pending
+        remote = len(self.waiting_for_remote_kv)
+        return len(self.waiting) + len(self.running) + pending + remote
 
     def add(self, request: Request, forks: Sequence[Request] = ()) -> None:
         """Queue `request`; `forks` (same prompt and params) will share its prefill."""
@@ -103,10 +108,27 @@ class Scheduler:
         """Take a running request out of the batch, keeping its blocks (prefill hand-off)."""
         self.running.remove(request)
 
-    def admit_running(self, request: Request) -> None:
-        """Add a request whose KV is already in the cache (pulled) straight to the batch."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+    def add_waiting_for_remote_kv(self, request: Request) -> None:
+        """Hold `request`, whose prompt blocks are allocated, while its KV is pulled from a
+        prefill engine. It is not scheduled until `finish_remote_kv`."""
+        assert request.request_id not in self.waiting_for_remote_kv
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kv[request.request_id] = request
+
+    def finish_remote_kv(self, request: Request, ok: bool) -> None:
+        """The pull for `request` is over. `ok`: its prompt's K/V are in its blocks, so it joins
+        the running batch (full blocks prefix-cached). Otherwise its blocks are freed and it
+        waits to recompute its prompt here."""
+        del self.waiting_for_remote_kv[request.request_id]
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv_cache.cache_full_blocks(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            self.kv_cache.free(request.request_id)
+            request.num_computed_tokens = 0
+            self.add(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Mark `request` finished, take it out of the queues and free its blocks."""
@@ -116,6 +138,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif self.waiting_for_remote_kv.get(request.request_id) is request:
+            del self.waiting_for_remote_kv[request.request_id]
         else:
             for forks in self._forks.values():
                 if request in forks:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import queue
 import threading
@@ -38,9 +37,11 @@ class _Stream:
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
 
     def put(self, item: _Item) -> None:
-        # RuntimeError: the caller's loop is closed, nobody is listening.
-        with contextlib.suppress(RuntimeError):
+        try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            # The caller's loop is closed: nobody is listening.
+            logger.debug("output dropped: its caller's event loop is closed", exc_info=True)
 
 
 class EngineLoop:
@@ -154,7 +155,6 @@ class EngineLoop:
         self._streams[request_id] = stream
         if handle is not None and plan is not None:
             self._pulls.submit(self._pull, handle, plan)
-        self._deliver_failed()
 
     def _pull(self, handle: KVHandle, plan: PullPlan) -> None:
         """On a pull thread: fetch the blocks, then let the loop thread finish the pull."""
@@ -165,23 +165,12 @@ class EngineLoop:
             self.connector.pull(handle, plan)
             ok = True
         except TransferError as exc:
-            logger.warning("request %s: KV pull failed: %s", plan.request_id, exc)
+            logger.warning("request %s: KV pull failed: %s", plan.request_id, exc, exc_info=True)
         except Exception:
             logger.exception("request %s: KV pull failed", plan.request_id)
         if not self._stopping:
-            self.submit(lambda: self._finish_pull(plan.request_id, ok))
-
-    def _finish_pull(self, request_id: str, ok: bool) -> None:
-        self.engine.finish_pull(request_id, ok)
-        self._deliver_failed()
-
-    def _deliver_failed(self) -> None:
-        """Requests failed by kv_transfer_failure="fail" finish outside `step`: hand their
-        final outputs to their streams here, or the callers would wait forever."""
-        for output in self.engine.pop_failed_outputs():
-            stream = self._streams.pop(output.request_id, None)
-            if stream is not None:
-                stream.put(output)
+            # A failed request's final output comes from the next step (engine.has_work).
+            self.submit(lambda: self.engine.finish_pull(plan.request_id, ok))
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)
@@ -189,21 +178,17 @@ class EngineLoop:
         if stream is not None:
             stream.put(output if output is not None else RuntimeError(f"{request_id} aborted"))
 
-    def _has_work(self) -> bool:
-        scheduler = self.engine.scheduler
-        return bool(scheduler.running or scheduler.waiting)
-
     def _run(self) -> None:
         idle_steps = 0
         while True:
-            if self._has_work():
+            if self.engine.has_work():
                 # Waiting requests that cannot be scheduled now: back off a little.
                 timeout: float | None = 0.005 if idle_steps else None
             else:
                 timeout = self.idle_wait_s
             if not self._drain(timeout):
                 break
-            if self._has_work():
+            if self.engine.has_work():
                 idle_steps = 0 if self._step() else idle_steps + 1
             else:
                 idle_steps = 0
