@@ -178,7 +178,10 @@ class Relay:
         """The prefill lease ended before the pull did: the pulled blocks may hold another
         request's KV. Drop them from the decode worker's cache, then recompute or fail."""
         self.metrics.leases_lost.inc()
-        await decode.handle.forget_kv.remote(handle)
+        try:
+            await decode.handle.forget_kv.remote(handle)
+        except (RayActorError, ActorUnavailableError) as exc:
+            raise WorkerLostError(decode, exc) from exc
         reason = f"request {run.request_id}: the prefill KV lease expired before the pull ended"
         if self.config.kv_transfer_failure == "fail":
             raise UnavailableError(f"KV transfer failed: {reason}; retry the request")

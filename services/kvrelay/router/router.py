@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,11 +153,13 @@ class Router:
             self.metrics.queued.dec()
             self.metrics.in_flight.inc()
             self.metrics.queue_time.labels(self.model.id).observe(time.monotonic() - arrival)
-            async for chunk in self._generate(request, arrival):
-                for choice in chunk.choices:
-                    if choice.index == 0 and choice.finish_reason is not None:
-                        outcome = choice.finish_reason  # stop | length | abort
-                yield chunk
+            # aclosing: a client that leaves stops the samples' tasks now, not at GC time.
+            async with contextlib.aclosing(self._generate(request, arrival)) as chunks:
+                async for chunk in chunks:
+                    for choice in chunk.choices:
+                        if choice.index == 0 and choice.finish_reason is not None:
+                            outcome = choice.finish_reason  # stop | length | abort
+                    yield chunk
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "abort"
             raise
@@ -171,7 +173,7 @@ class Router:
 
     async def _generate(
         self, request: GenerateRequest, arrival: float
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         runs = self._sample_runs(request)
         queue: asyncio.Queue[object] = asyncio.Queue()
         for run in runs:
