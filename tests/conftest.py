@@ -1,7 +1,9 @@
-"""Session-wide fixtures: the real default model, pulled and converted once."""
+"""Session-wide fixtures: the real default model, pulled and converted once, and one local Ray
+cluster shared by every test that needs one."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,30 @@ def default_model_dir() -> Path:
     from kvrelay.models.default_model import pull_default_model
 
     return pull_default_model(progress=False)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """A local Ray cluster for the whole session (or the one already up). Started once: a
+    second `ray.init` in one process fails, so every Ray fixture builds on this one."""
+    ray = pytest.importorskip("ray")
+    # Actor processes import test modules (tests.transfer.peers, tests.router.fake_worker):
+    # they inherit this environment.
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), old) if p)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    yield
+    if started:
+        ray.shutdown()
+    if old is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = old
 
 
 # The shared server's bounds are small so that the overload test can fill them; prompts of

@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    # Actor processes must import tests.transfer.peers: they inherit this environment.
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), old) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
-    yield
-    ray.shutdown()
-    if old is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = old
+def ray_cluster(ray_session: None) -> None:
+    """The session's Ray cluster (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

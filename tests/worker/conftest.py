@@ -3,7 +3,6 @@ transfer tests started, when it is up)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,11 +23,5 @@ TINY_ENGINE_KWARGS: dict[str, Any] = {
 
 
 @pytest.fixture(scope="session")
-def worker_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
-    yield
-    if started:
-        ray.shutdown()
+def worker_ray(ray_session: None) -> None:
+    """The session's Ray cluster (tests/conftest.py)."""
