@@ -34,6 +34,12 @@ class Role(enum.StrEnum):
         return self is not Role.BOTH
 
 
+class RequestFailedError(Exception):
+    """The engine failed this one request (the others in its batch went on). Its message is
+    written for the client: it names what went wrong with the request, never engine internals.
+    The router answers it as an internal error of that request alone."""
+
+
 def sample_request_id(request_id: str, index: int, n: int) -> str:
     """The id of sample `index` of a request with `n` samples: the request's own id when
     n == 1. The one id scheme of n > 1 fan-out, in the engine and the router alike."""
