@@ -49,10 +49,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
         "finish on shutdown (default 30)")  # fmt: skip
+    add(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest HTTP request body / gRPC message; larger ones get 413 / "
+        "RESOURCE_EXHAUSTED (default 4 MiB)",
+    )
     group = parser.add_argument_group("router")
     add = group.add_argument
     add("--served-model-name", default=None, help="model id clients use (default: folder name)")
     add("--max-in-flight", type=int, default=256, help="requests running at once (default 256)")
+    add("--max-n", type=int, default=128, help="most samples (n) one request may ask for "
+        "(default 128)")  # fmt: skip
     add(
         "--max-queued",
         type=int,
@@ -175,6 +184,7 @@ def _server_config(ns: argparse.Namespace) -> Any:
         ns.grpc_port,
         ns.api_key or os.environ.get(ns.api_key_env) or None,
         ns.drain_timeout,
+        ns.max_body_bytes,
     )
 
 
@@ -187,6 +197,7 @@ def _router_options(ns: argparse.Namespace) -> Any:
         ns.max_queued,
         ns.routing_policy,
         ns.max_local_prefill_tokens,
+        ns.max_n,
     )
 
 

@@ -40,10 +40,10 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        # Both ended before we look at them: a task cancelled a moment ago is not done yet,
+        # and asking it for a result then would raise InvalidStateError.
+        await asyncio.gather(task, watcher, return_exceptions=True)
     if task.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         raise ClientGoneError()
     return task.result()
 

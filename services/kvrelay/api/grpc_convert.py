@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
 from typing import Any
 
 from kvrelay.router.errors import InvalidRequestError
-from kvrelay.router.prompts import encode_prompt, render_chat, sampling_params
-from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage
+from kvrelay.router.prompts import chat_messages, prompt_token_ids, sampling_params
+from kvrelay.router.router import Router
+from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage, new_request_id
 from kvrelay.v1 import generation_pb2 as pb
 
 _OPTIONAL_FIELDS = (
@@ -33,20 +32,19 @@ _FINISH = {
 }
 
 
-def to_request(message: Any, tokenizer: Any, timeout_s: float | None) -> GenerateRequest:
-    """A GenerateRequest message as the router's request (tokenized, params validated)."""
-    which = message.WhichOneof("input")
-    text: str | None = None
-    if which == "prompt":
-        text = message.prompt
-        ids = encode_prompt(tokenizer, text)
-    elif which == "prompt_token_ids":
-        ids = list(message.prompt_token_ids.ids)
-    elif which == "messages":
-        chat = [{"role": m.role, "content": m.content} for m in message.messages.messages]
-        text, ids = render_chat(tokenizer, chat)
-    else:
-        raise InvalidRequestError("set one of prompt, prompt_token_ids or messages", "input")
+# Sampling fields live in the `sampling` message: errors name them so.
+_FIELD_NAMES = {
+    name: f"sampling.{name}"
+    for name in (*_OPTIONAL_FIELDS, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+}
+MAX_LABEL_CHARS = 256
+
+
+async def to_request(message: Any, router: Router, timeout_s: float | None) -> GenerateRequest:
+    """A GenerateRequest message as the router's request: tokenized off the event loop and
+    checked by the same validator as the HTTP API (kvrelay.router.prompts)."""
+    names = dict(_FIELD_NAMES)
+    text, ids = await _prompt(message, router, names)
     options = message.sampling
     fields: dict[str, Any] = {
         name: getattr(options, name) for name in _OPTIONAL_FIELDS if options.HasField(name)
@@ -54,18 +52,41 @@ def to_request(message: Any, tokenizer: Any, timeout_s: float | None) -> Generat
     fields["stop"] = list(options.stop)
     fields["stop_token_ids"] = list(options.stop_token_ids)
     fields["ignore_eos"] = options.ignore_eos
-    params = sampling_params(fields)
     if not options.HasField("max_tokens"):
-        params = dataclasses.replace(params, max_tokens=16)
+        fields["max_tokens"] = 16  # the proto's documented default
+    label = message.request_id or None
+    if label is not None and len(label) > MAX_LABEL_CHARS:
+        message = f"request_id is longer than {MAX_LABEL_CHARS} characters"
+        raise InvalidRequestError(message, "request_id")
     return GenerateRequest(
-        message.request_id or uuid.uuid4().hex,
+        new_request_id(),
         ids,
-        params,
+        sampling_params(fields, names),
         message.model or None,
         text,
         options.include_stop_str_in_output,
         timeout_s,
+        label=label,
+        field_names=names,
     )
+
+
+async def _prompt(
+    message: Any, router: Router, names: dict[str, str]
+) -> tuple[str | None, list[int]]:
+    """(text, token ids) of whichever input the message set; `names["prompt"]` set to it."""
+    which = message.WhichOneof("input")
+    names["prompt"] = which or "prompt"
+    if which == "prompt":
+        return message.prompt, await router.encoder.encode(message.prompt)
+    if which == "prompt_token_ids":
+        return None, prompt_token_ids(list(message.prompt_token_ids.ids), which)
+    if which == "messages":
+        chat = chat_messages(
+            [{"role": m.role, "content": m.content} for m in message.messages.messages]
+        )
+        return await router.encoder.render_chat(chat)
+    raise InvalidRequestError("set one of prompt, prompt_token_ids or messages", "input")
 
 
 def choice_message(delta: ChoiceDelta, tokenizer: Any, top_k: int) -> Any:
@@ -100,9 +121,12 @@ def usage_message(usage: Usage) -> Any:
     )
 
 
-def response_message(chunk: GenerateChunk, tokenizer: Any, top_k: int = 0) -> Any:
+def response_message(
+    chunk: GenerateChunk, tokenizer: Any, top_k: int = 0, label: str | None = None
+) -> Any:
+    """The response message; its request_id is the client's own label when it sent one."""
     choices = [choice_message(c, tokenizer, top_k) for c in chunk.choices]
-    response = pb.GenerateResponse(request_id=chunk.request_id, choices=choices)
+    response = pb.GenerateResponse(request_id=label or chunk.request_id, choices=choices)
     if chunk.usage is not None:
         response.usage.CopyFrom(usage_message(chunk.usage))
     return response

@@ -2,49 +2,61 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvrelay.api.auth import check_api_key
 from kvrelay.api.grpc_convert import response_message, to_request
-from kvrelay.router.errors import OverloadedError, RouterError
+from kvrelay.router.errors import InvalidRequestError, OverloadedError, RouterError
 from kvrelay.router.router import Router
 from kvrelay.router.types import collect_chunks
 from kvrelay.v1 import generation_pb2 as pb
-from kvrelay.v1 import generation_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+_FAILED = "the server failed this request; it has been logged"
+logger = logging.getLogger(__name__)
 
 
-class GenerationService(pb_grpc.GenerationServicer):
+class GenerationService:
+    """kvrelay.v1.Generation. Requests arrive as bytes and are parsed here, so a malformed
+    message is INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL)."""
+
     def __init__(self, router: Router, api_key: str | None = None) -> None:
         self.router = router
         self.api_key = api_key
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             self._authenticate(context)
-            greq = to_request(request, self.router.tokenizer, context.time_remaining())
+            request = _parse(pb.GenerateRequest, raw)
+            greq = await to_request(request, self.router, context.time_remaining())
             ticket = self.router.admit(greq)
             top_k = greq.params.logprobs or 0
             chunks = self.router.generate(greq, ticket)
+            tokenizer, label = self.router.tokenizer, greq.label
             if request.stream:
                 async for chunk in chunks:
-                    yield response_message(chunk, self.router.tokenizer, top_k)
+                    yield response_message(chunk, tokenizer, top_k, label)
             else:
                 whole = await collect_chunks(chunks, greq.request_id)
-                yield response_message(whole, self.router.tokenizer, top_k)
+                yield response_message(whole, tokenizer, top_k, label)
         except RouterError as exc:
             await _abort(context, exc)
+        except Exception:  # never UNKNOWN with a traceback's text: log it, say nothing inside
+            logger.exception("gRPC Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, _FAILED)
 
-    async def ListModels(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def ListModels(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._authenticate(context)
+            _parse(pb.ListModelsRequest, raw)
         except RouterError as exc:
             await _abort(context, exc)
         card = self.router.model
@@ -57,6 +69,27 @@ class GenerationService(pb_grpc.GenerationServicer):
         metadata = dict(context.invocation_metadata() or ())
         header = str(metadata.get("authorization", ""))
         check_api_key(header, self.api_key, "authorization: Bearer KEY")
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        handlers: dict[str, Any] = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate, response_serializer=pb.GenerateResponse.SerializeToString
+            ),
+            "ListModels": grpc.unary_unary_rpc_method_handler(
+                self.ListModels, response_serializer=pb.ListModelsResponse.SerializeToString
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+
+
+def _parse(message_type: Any, raw: bytes) -> Any:
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        name = message_type.DESCRIPTOR.full_name
+        raise InvalidRequestError(f"the request is not a valid {name} message") from None
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
@@ -72,7 +105,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
 def add_services(server: grpc.aio.Server, router: Router, api_key: str | None) -> Any:
     """Register the Generation, health and reflection services; returns the health servicer
     (the server flips it to NOT_SERVING while draining)."""
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(router, api_key), server)
+    GenerationService(router, api_key).add_to(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)

@@ -4,29 +4,30 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.api.auth import check_api_key
+from kvrelay.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kvrelay.api.disconnect import ClientGoneError, EventStreamResponse, until_disconnected
-from kvrelay.api.openai_format import OpenAIFormatter, error_body, router_error_body
+from kvrelay.api.http_errors import add_error_handlers
+from kvrelay.api.openai_format import OpenAIFormatter
 from kvrelay.api.openai_protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from kvrelay.router.errors import OverloadedError, RouterError
-from kvrelay.router.prompts import encode_prompt, render_chat, sampling_params
+from kvrelay.router.prompts import chat_messages, prompt_token_ids, sampling_params
 from kvrelay.router.router import Router
-from kvrelay.router.types import GenerateChunk, GenerateRequest
+from kvrelay.router.types import GenerateChunk, GenerateRequest, new_request_id
 
 
-def create_http_app(router: Router, api_key: str | None = None) -> FastAPI:
+def create_http_app(
+    router: Router, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     app = FastAPI(title="kvrelay", summary="OpenAI-compatible API of kvrelay", docs_url="/docs")
-    _add_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    add_error_handlers(app)
     _add_probe_routes(app, router)
     v1 = [Depends(_authenticator(api_key))]
     _add_model_routes(app, router, v1)
@@ -83,15 +84,16 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.check_supported()
         router.check_model(body.model)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             text: str | None = prompt
-            ids = encode_prompt(tokenizer, prompt)
+            ids = await router.encoder.encode(prompt)
         else:
-            text, ids = None, list(prompt)
+            text, ids = None, prompt_token_ids(prompt)
         fields = body.sampling_fields(body.max_tokens, body.logprobs)
-        greq = _request(body, ids, text, fields, body.max_tokens)
+        greq = _request(body, ids, text, fields, body.max_tokens, {})
         fmt = OpenAIFormatter(
             greq.request_id, router.model.id, False, tokenizer, body.logprobs or 0
         )
@@ -99,11 +101,13 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.check_supported()
         router.check_model(body.model)
-        messages = [m.as_template_input() for m in body.messages]
-        text, ids = render_chat(tokenizer, messages, body.add_generation_prompt)
+        messages = chat_messages(body.template_messages())
+        text, ids = await router.encoder.render_chat(messages, body.add_generation_prompt)
+        names = body.field_names
         fields = body.sampling_fields(body.output_limit, body.num_logprobs)
-        greq = _request(body, ids, text, fields, body.output_limit)
+        greq = _request(body, ids, text, fields, body.output_limit, names)
         fmt = OpenAIFormatter(
             greq.request_id, router.model.id, True, tokenizer, body.top_logprobs or 0
         )
@@ -116,17 +120,19 @@ def _request(
     text: str | None,
     fields: dict[str, Any],
     max_tokens: int | None,
+    field_names: dict[str, str],
 ) -> GenerateRequest:
-    params = sampling_params(fields)
+    params = sampling_params(fields, field_names)
     if max_tokens is None:  # OpenAI's meaning: up to the context length
         params = dataclasses.replace(params, max_tokens=None)
     return GenerateRequest(
-        uuid.uuid4().hex,
+        new_request_id(),
         ids,
         params,
         body.model,
         text,
         body.include_stop_str_in_output,
+        field_names=field_names,
     )
 
 
@@ -151,24 +157,3 @@ async def _respond(
     finally:
         ticket.release()
     return JSONResponse(whole)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RouterError)
-    async def router_error(request: Request, exc: RouterError) -> Response:
-        headers = {}
-        if isinstance(exc, OverloadedError):
-            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-        return JSONResponse(router_error_body(exc), exc.status.http_status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request body")
-        if first.get("type") == "json_invalid":
-            message, param = f"the body is not valid JSON: {first.get('ctx', {})}", None
-        elif param:
-            message = f"{param}: {message}"
-        return JSONResponse(error_body(message, "invalid_request_error", 400, param), 400)

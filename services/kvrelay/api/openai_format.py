@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvrelay.router.errors import RouterError
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, TokenLogprob, Usage, collect_chunks
+
+logger = logging.getLogger(__name__)
 
 
 def error_body(
@@ -102,6 +105,10 @@ class OpenAIFormatter:
                     yield self._event([], chunk.usage)
         except RouterError as exc:
             yield f"data: {json.dumps(router_error_body(exc))}\n\n"
+        except Exception:  # never a cut stream: the client gets an error event and [DONE]
+            logger.exception("stream %s failed", self.id)
+            message = "the server failed this request; it has been logged"
+            yield f"data: {json.dumps(error_body(message, 'internal_error', 500))}\n\n"
         yield "data: [DONE]\n\n"
 
     def _event(self, choices: list[dict[str, Any]], usage: Usage | bool | None) -> str:

@@ -2,27 +2,38 @@
 
 Unknown fields are accepted and ignored, as vLLM does, so newer clients keep working; fields
 we cannot honour (tools, echo, logit_bias, suffix, best_of > n) are refused with a 400 rather
-than silently ignored.
+than silently ignored. An explicit JSON null means the field's default, as OpenAI and vLLM
+read it. pydantic only parses JSON types here; the rules live in kvrelay.router.prompts,
+shared with the gRPC API.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from kvrelay.router.errors import InvalidRequestError
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -46,9 +57,12 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
 
-    def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+    def check_supported(self) -> None:
+        """Refuse fields we cannot honour (InvalidRequestError naming the field)."""
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", "logit_bias")
+
+    def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return {
             "n": self.n,
@@ -82,15 +96,14 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> CompletionRequest:
+    def check_supported(self) -> None:
+        super().check_supported()
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise InvalidRequestError("echo is not supported", "echo")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise InvalidRequestError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
-        return self
+            raise InvalidRequestError("best_of other than n is not supported", "best_of")
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -103,27 +116,15 @@ class CompletionRequest(_Sampling):
         return prompt  # type: ignore[return-value]
 
 
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ChatMessage(_Body):
+    """Role and content as sent: kvrelay.router.prompts.chat_messages checks them."""
 
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-
-    def as_template_input(self) -> dict[str, str]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+    role: Any = None
+    content: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -131,18 +132,35 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
+    def check_supported(self) -> None:
+        super().check_supported()
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise InvalidRequestError("tools are not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        return self
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise InvalidRequestError(
+                f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
+                "max_completion_tokens",
+            )
 
     @property
     def output_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """Wire names of SamplingParams fields that chat spells differently."""
+        names = {"logprobs": "top_logprobs", "prompt": "messages"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]

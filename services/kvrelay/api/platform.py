@@ -15,7 +15,7 @@ from kvrelay.api.server import ApiServer, ServerConfig
 from kvrelay.engine.args import EngineArgs
 from kvrelay.router.policy import RoutingPolicy
 from kvrelay.router.relay import RelayConfig
-from kvrelay.router.router import ModelCard, Router
+from kvrelay.router.router import DEFAULT_MAX_N, ModelCard, Router
 from kvrelay.router.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class RouterOptions:
     max_queued: int = 512
     routing_policy: str = "score"
     max_local_prefill_tokens: int = 64
+    max_n: int = DEFAULT_MAX_N
 
 
 def model_card(engine_args: EngineArgs, served_name: str | None) -> ModelCard:
@@ -60,6 +61,7 @@ async def run_router(
         options.max_in_flight,
         options.max_queued,
         policy=RoutingPolicy(options.routing_policy),
+        max_n=options.max_n,
     )
     tasks = [asyncio.create_task(registry.run())]
     tasks += [asyncio.create_task(job) for job in background or []]
@@ -71,6 +73,7 @@ async def run_router(
         await server.wait_for_stop()
         await server.drain_and_stop()
     finally:
+        router.encoder.close()
         for task in tasks:
             task.cancel()
         with contextlib.suppress(BaseException):

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import uvicorn
 
+from kvrelay.api.body_limit import DEFAULT_MAX_BODY_BYTES
 from kvrelay.api.grpc_service import NOT_SERVING, SERVING, add_services
 from kvrelay.api.http_app import create_http_app
 from kvrelay.router.router import Router
@@ -29,6 +30,7 @@ class ServerConfig:
     grpc_port: int = 50051
     api_key: str | None = None
     drain_timeout_s: float = 30.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # HTTP bodies and gRPC messages alike
 
 
 class ApiServer:
@@ -37,9 +39,13 @@ class ApiServer:
         self.config = config
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        options = [
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", config.max_body_bytes),
+        ]
+        self._grpc = grpc.aio.server(options=options)
         self._health: Any = add_services(self._grpc, router, config.api_key)
-        app = create_http_app(router, config.api_key)
+        app = create_http_app(router, config.api_key, config.max_body_bytes)
         uv_config = uvicorn.Config(
             app,
             host=config.http_host,

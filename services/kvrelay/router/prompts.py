@@ -1,5 +1,10 @@
-"""Turning what a client sent into a prompt and sampling parameters, with errors that name the
-field at fault (both APIs share these)."""
+"""The one validator of what a client sent, for both APIs: prompt text, chat messages and
+sampling fields become a prompt and SamplingParams, or an InvalidRequestError naming the field
+exactly as the client spelled it (HTTP and gRPC spell some fields differently: `field_names`).
+
+The wire layers only parse their format (JSON types, protobuf); every rule lives here or in
+SamplingParams and Router.check_request, so both APIs refuse exactly the same requests.
+"""
 
 from __future__ import annotations
 
@@ -10,44 +15,86 @@ from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router.errors import InvalidRequestError
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
+# OpenAI's chat roles we can render ("developer" is OpenAI's newer name for "system").
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
-def sampling_params(fields: Mapping[str, Any]) -> SamplingParams:
-    """SamplingParams from request fields; unset (None) ones keep vLLM's defaults."""
+def sampling_params(
+    fields: Mapping[str, Any], field_names: Mapping[str, str] | None = None
+) -> SamplingParams:
+    """SamplingParams from request fields; unset (None) ones keep vLLM's defaults. An error
+    names the field by its wire name (`field_names`, default: the same name)."""
+    names = field_names or {}
     kwargs = {k: v for k, v in fields.items() if v is not None}
     unknown = set(kwargs) - _SAMPLING_FIELDS
     if unknown:
         raise InvalidRequestError(f"unknown sampling fields: {', '.join(sorted(unknown))}")
+    for stop in kwargs.get("stop") or ():
+        if isinstance(stop, str):
+            check_text(stop, names.get("stop", "stop"))
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        message = str(exc)
-        field = message.split(" ", 1)[0]
-        raise InvalidRequestError(message, field if field in _SAMPLING_FIELDS else None) from exc
+        field = str(exc).split(" ", 1)[0]
+        if field not in _SAMPLING_FIELDS:
+            raise InvalidRequestError(str(exc)) from exc
+        wire = names.get(field, field)
+        message = str(exc) if wire == field else f"{wire}{str(exc)[len(field) :]}"
+        raise InvalidRequestError(message, wire) from exc
 
 
-def encode_prompt(tokenizer: Any, text: str, param: str = "prompt") -> list[int]:
-    if not text:
-        raise InvalidRequestError("the prompt is empty", param)
-    return list(tokenizer(text)["input_ids"])
+def check_text(text: str, param: str) -> str:
+    """Refuse text that is not valid Unicode (a lone surrogate from a JSON escape such as
+    "\\ud800"): the tokenizer cannot encode it, and it must not reach the engine."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode text (a lone surrogate at character {exc.start})",
+            param,
+        ) from None
+    return text
 
 
-def render_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-) -> tuple[str, list[int]]:
-    """The chat template applied to `messages`: (text, token ids)."""
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages as the template takes them ({"role", "content"}), each checked: a known
+    role, text content. `content` may be OpenAI's list of {"type": "text", "text"} parts."""
     if not messages:
         raise InvalidRequestError("messages is empty: send at least one message", "messages")
-    if not getattr(tokenizer, "chat_template", None):
+    return [_chat_message(i, m) for i, m in enumerate(messages)]
+
+
+def _chat_message(index: int, message: Mapping[str, Any]) -> dict[str, str]:
+    role = message.get("role")
+    if role not in CHAT_ROLES:
         raise InvalidRequestError(
-            "this model has no chat template: use /v1/completions with plain text", "messages"
+            f"messages.{index}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+            f"messages.{index}.role",
         )
-    try:
-        text = tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as exc:  # a template's own raise_exception, e.g. roles out of order
-        message = f"the chat template rejected the messages: {exc}"
-        raise InvalidRequestError(message, "messages") from exc
-    # The template already holds every special token it wants.
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    content = message.get("content")
+    param = f"messages.{index}.content"
+    if isinstance(content, list):
+        content = "".join(_text_part(part, f"{param}.{j}") for j, part in enumerate(content))
+    if content is not None and not isinstance(content, str):
+        raise InvalidRequestError(f"{param} must be a string or a list of text parts", param)
+    return {
+        "role": "system" if role == "developer" else role,
+        "content": check_text(content or "", param),
+    }
+
+
+def _text_part(part: Any, param: str) -> str:
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        text = part.get("text")
+        if isinstance(text, str):
+            return text
+    raise InvalidRequestError(f'{param} must be {{"type": "text", "text": "..."}}', param)
+
+
+def prompt_token_ids(ids: Sequence[Any], param: str = "prompt") -> list[int]:
+    """Token ids as sent (their range is checked against the vocabulary by the router)."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param)
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise InvalidRequestError(f"{param} must be text or a list of token ids", param)
+    return list(ids)

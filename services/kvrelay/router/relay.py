@@ -17,7 +17,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, OutputDelta, Role
+from kvrelay.messages import KVHandle, OutputDelta, RequestFailedError, Role
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.decision import Decision, decide
 from kvrelay.router.errors import InvalidRequestError, RouterError, UnavailableError
@@ -252,7 +252,12 @@ def _fire(method: Any, *args: Any) -> None:
 
 
 def _task_error(exc: RayTaskError) -> RouterError:
+    """What the client hears of a worker's failure: our own words (a refusal, or the engine
+    failing that one request), never an exception's repr with the worker's internals."""
     cause = exc.cause
+    if isinstance(cause, RequestFailedError):
+        return RouterError(str(cause))
     if isinstance(cause, ValueError):
         return InvalidRequestError(str(cause))
-    return RouterError(f"a worker failed the request: {cause!r}")
+    logger.error("a worker failed a request: %r", cause)
+    return RouterError("a worker failed this request; it has been logged")

@@ -28,6 +28,7 @@ from kvrelay.router.errors import (
     RouterError,
     UnavailableError,
 )
+from kvrelay.router.prompt_encoder import PromptEncoder
 from kvrelay.router.relay import Relay, RelayConfig, SampleRun
 from kvrelay.router.sample_state import SampleState
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage
@@ -36,6 +37,8 @@ from kvrelay.router.workers import WorkerRegistry
 logger = logging.getLogger(__name__)
 
 _DONE = object()  # a sample task's end marker in the merge queue
+# OpenAI's own bound on n; each sample is a request of its own at the workers.
+DEFAULT_MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Router:
         relay: Relay,
         admission: AdmissionController,
         metrics: RouterMetrics,
+        max_n: int = DEFAULT_MAX_N,
     ) -> None:
         self.registry = registry
         self.tokenizer = tokenizer
@@ -64,6 +68,8 @@ class Router:
         self.admission = admission
         self.metrics = metrics
         self.draining = False
+        self.max_n = max_n
+        self.encoder = PromptEncoder(tokenizer, model.max_model_len)
         # Added tokens included; once, not per request. None: served on token ids alone.
         self._vocab_size = len(tokenizer) if tokenizer is not None else None
 
@@ -78,6 +84,7 @@ class Router:
         max_queued: int = 512,
         metrics: RouterMetrics | None = None,
         policy: Any = None,
+        max_n: int = DEFAULT_MAX_N,
     ) -> Router:
         from kvrelay.router.policy import RoutingPolicy
 
@@ -85,7 +92,7 @@ class Router:
         metrics.watch_pools(registry.by_pool)
         relay = Relay(registry, policy or RoutingPolicy(), relay_config or RelayConfig(), metrics)
         admission = AdmissionController(max_in_flight, max_queued)
-        return cls(registry, tokenizer, model, relay, admission, metrics)
+        return cls(registry, tokenizer, model, relay, admission, metrics, max_n)
 
     # -- requests --
 
@@ -96,28 +103,48 @@ class Router:
     def check_request(self, request: GenerateRequest) -> None:
         """Bad input -> InvalidRequestError naming the field (nothing is admitted yet)."""
         self.check_model(request.model)
-        num_prompt = len(request.prompt_token_ids)
+        self._check_prompt(request)
+        self._check_samples(request)
+        if request.params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need the model's tokenizer", "stop")
+
+    def _check_prompt(self, request: GenerateRequest) -> None:
+        num_prompt, prompt = len(request.prompt_token_ids), request.param("prompt")
         if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
+            raise InvalidRequestError("the prompt is empty", prompt)
         limit = self.model.max_model_len
         if num_prompt >= limit:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt} tokens; this model's context length is {limit} "
                 "tokens, prompt and output together: shorten the prompt",
-                "prompt",
+                prompt,
             )
         max_tokens = request.params.max_tokens
         if max_tokens is not None and num_prompt + max_tokens > limit:
+            name = request.param("max_tokens")
             raise InvalidRequestError(
-                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
-                f"context length {limit}: lower max_tokens",
-                "max_tokens",
+                f"{name}={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                f"context length {limit}: lower {name}",
+                name,
             )
         vocab = self._vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise InvalidRequestError("prompt token ids must be in [0, vocab size)", "prompt")
-        if request.params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need the model's tokenizer", "stop")
+            raise InvalidRequestError(f"{prompt}: token ids must be in [0, {vocab})", prompt)
+
+    def _check_samples(self, request: GenerateRequest) -> None:
+        """n within bounds, and n samples of max_tokens within what the pools can hold: a
+        request the workers could never finish is refused now, not left to starve others."""
+        n, max_tokens, name = request.params.n, request.params.max_tokens, request.param("n")
+        if n > self.max_n:
+            raise InvalidRequestError(f"{name} must be <= {self.max_n}, got {n}", name)
+        capacity = self.registry.decode_token_capacity()
+        if n > 1 and max_tokens is not None and capacity and n * max_tokens > capacity:
+            raise InvalidRequestError(
+                f"{name}={n} samples of up to {max_tokens} tokens ({n * max_tokens}) is more "
+                f"than this server's KV cache holds ({capacity} tokens): lower {name} or "
+                f"{request.param('max_tokens')}",
+                name,
+            )
 
     def admit(self, request: GenerateRequest) -> Ticket:
         """Check the request and reserve its place now: bad input, draining, no workers and

@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from kvrelay.engine.sampling import SamplingParams
 
 
+def new_request_id() -> str:
+    """A request id made by the server: the key of a request at the router and its workers.
+    A client's own id is only a label (GenerateRequest.label), so no client can reach, abort
+    or probe another's request by naming its id."""
+    return uuid.uuid4().hex
+
+
 @dataclass
 class GenerateRequest:
-    request_id: str
+    request_id: str  # new_request_id(): never a client's string
     prompt_token_ids: list[int]
     params: SamplingParams
     model: str | None = None  # None: the server's only model
     prompt_text: str | None = None
     include_stop_str_in_output: bool = False
     timeout_s: float | None = None  # the client's deadline, from now
+    label: str | None = None  # the client's own request id, echoed back, never a key
+    # The wire's name of a SamplingParams field where it differs (chat's "max_completion_tokens",
+    # gRPC's "sampling.seed"), so every error names the field the client actually sent.
+    field_names: Mapping[str, str] = field(default_factory=dict)
+
+    def param(self, name: str) -> str:
+        return self.field_names.get(name, name)
 
 
 @dataclass

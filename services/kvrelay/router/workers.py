@@ -86,6 +86,14 @@ class WorkerRegistry:
         """The roles of which at least one healthy worker exists."""
         return {w.role for w in self.workers.values() if w.healthy}
 
+    def decode_token_capacity(self) -> int:
+        """Tokens of KV the healthy decode-capable workers hold together (0: none known)."""
+        return sum(
+            w.info.num_blocks * w.info.block_size
+            for w in self.workers.values()
+            if w.healthy and w.role in (Role.DECODE, Role.BOTH)
+        )
+
     def by_pool(self) -> dict[str, list[EngineStats]]:
         """Each pool's workers' latest stats (for the metrics)."""
         pools: dict[str, list[EngineStats]] = {}
