@@ -15,6 +15,9 @@ from typing import Any
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts up to a uint64
+# Every other int field must fit an int64: the sampler builds int64 tensors (numpy arrays) of
+# them, and a larger one would raise OverflowError inside an engine step, failing its batch.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check_int(name: str, value: object) -> int:
@@ -22,6 +25,13 @@ def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return value
+
+
+def _check_int64(name: str, value: object) -> int:
+    i = _check_int(name, value)
+    if not _INT64_MIN <= i <= _INT64_MAX:
+        raise ValueError(f"{name} must fit in a signed 64-bit int (below 2**63), got {i}")
+    return i
 
 
 def _check_float(name: str, value: object) -> float:
@@ -93,7 +103,7 @@ class SamplingParams:
     # --- validators: each returns the normalised value or raises ValueError --------------------
 
     def _n(self) -> int:
-        n = _check_int("n", self.n)
+        n = _check_int64("n", self.n)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         return n
@@ -111,7 +121,7 @@ class SamplingParams:
         return p
 
     def _top_k(self) -> int:
-        k = _check_int("top_k", self.top_k)
+        k = _check_int64("top_k", self.top_k)
         if k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {k}")
         return k
@@ -145,13 +155,13 @@ class SamplingParams:
     def _max_tokens(self) -> int | None:
         if self.max_tokens is None:
             return None
-        m = _check_int("max_tokens", self.max_tokens)
+        m = _check_int64("max_tokens", self.max_tokens)
         if m < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {m}")
         return m
 
     def _min_tokens(self) -> int:
-        m = _check_int("min_tokens", self.min_tokens)
+        m = _check_int64("min_tokens", self.min_tokens)
         if m < 0:
             raise ValueError(f"min_tokens must be >= 0, got {m}")
         if self.max_tokens is not None and m > self.max_tokens:
@@ -161,7 +171,7 @@ class SamplingParams:
     def _stop_token_ids(self) -> tuple[int, ...]:
         ids = _as_tuple("stop_token_ids", self.stop_token_ids)
         for i in ids:
-            if _check_int("stop_token_ids", i) < 0:
+            if _check_int64("stop_token_ids", i) < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {i}")
         return ids
 
@@ -176,7 +186,7 @@ class SamplingParams:
     def _logprobs(self) -> int | None:
         if self.logprobs is None:
             return None
-        k = _check_int("logprobs", self.logprobs)
+        k = _check_int64("logprobs", self.logprobs)
         if not 0 <= k <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {k}")
         return k
