@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrelay.engine import sampler as sampler_mod
 from kvrelay.engine import sampling_ops
 from kvrelay.engine.penalties import (
     apply_presence_frequency_penalties,
@@ -326,3 +328,90 @@ def test_logprobs_come_from_raw_logits() -> None:
         assert [t for t, _ in lp.top] == ref
         for t, v in lp.top:
             assert v == pytest.approx(float(raw[i, t]), abs=1e-5)
+
+
+# --- fp32 limits, uniforms drawn first, invalid rows -------------------------------------------
+
+
+def _big_logits(rows: int, vocab: int = 64) -> torch.Tensor:
+    """Logits of magnitude up to ~1e4, token 3 positive in every row."""
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)) * 3e3
+    x[:, 3] = 50.0
+    return x
+
+
+@pytest.mark.parametrize(
+    ("penalty", "bound"),
+    [
+        (1e-300, sampler_mod.MIN_REPETITION_PENALTY),
+        (1e-40, sampler_mod.MIN_REPETITION_PENALTY),
+        (1e300, sampler_mod.MAX_REPETITION_PENALTY),
+    ],
+)
+def test_extreme_repetition_penalty_is_clamped(penalty: float, bound: float) -> None:
+    """fp32 rounds 1e-40 to 0 (logit / 0 = inf -> NaN -> an out-of-vocabulary id): the sampler
+    applies the bound instead, and a tiny penalty strongly favours a seen token, as it means."""
+    logits = _big_logits(3)
+    seen = [3, 7, 9]
+
+    def sample(p: float) -> list[int]:
+        rows = [
+            row(SamplingParams(temperature=1.0, repetition_penalty=p, seed=1), seen, [3]),
+            row(SamplingParams(temperature=1.0, repetition_penalty=p, top_k=5, seed=2), seen),
+            row(SamplingParams(temperature=0.0, repetition_penalty=p, min_tokens=2), seen),
+        ]
+        return Sampler(torch.Generator().manual_seed(0))(logits, rows).token_ids
+
+    tokens = sample(penalty)
+    assert tokens == sample(bound)
+    assert all(0 <= t < 64 for t in tokens)
+    if penalty < 1:
+        assert tokens[0] == 3  # the one seen positive logit, multiplied by 2**20
+
+
+def test_huge_temperature_is_clamped_and_masked_tokens_stay_out() -> None:
+    """1e300 is inf in fp32 and -inf / inf = NaN for masked logits; clamped, it is uniform."""
+    logits = _big_logits(2)
+    params = SamplingParams(temperature=1e300, top_k=5, min_tokens=3, stop_token_ids=[4])
+    rows = [row(dataclasses.replace(params, seed=s)) for s in (1, 2)]
+    out = Sampler(torch.Generator().manual_seed(0))(logits, rows).token_ids
+    clamped = dataclasses.replace(params, temperature=sampler_mod.MAX_TEMPERATURE)
+    rows = [row(dataclasses.replace(clamped, seed=s)) for s in (1, 2)]
+    assert out == Sampler(torch.Generator().manual_seed(0))(logits, rows).token_ids
+    top5 = [set(r.topk(5).indices.tolist()) - {EOS, 4} for r in logits]
+    assert all(t in allowed for t, allowed in zip(out, top5, strict=True))
+
+
+def test_a_row_sampled_alone_with_its_uniform_matches_the_batch() -> None:
+    """What isolation relies on: uniforms are drawn before any arithmetic, and re-sampling
+    one row with its uniform gives its batched token without advancing any generator."""
+    logits = torch.randn(6, 200, generator=torch.Generator().manual_seed(8))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=11, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.2, seed=12, top_k=20, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, min_p=0.05, logprobs=2),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+    ]
+    rows = [row(p, [1, 5, 9], [7, 7]) for p in params]
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    uniforms = sampler.draw_uniforms(rows)
+    state = [r.generator.get_state() for r in rows if r.generator is not None]
+    batched = sampler.sample(logits, rows, uniforms)
+    for i in range(len(rows)):
+        alone = sampler.sample(logits[i : i + 1], rows[i : i + 1], uniforms[i : i + 1])
+        assert alone.token_ids == batched.token_ids[i : i + 1]
+        assert alone.logprobs == batched.logprobs[i : i + 1]
+    after = [r.generator.get_state() for r in rows if r.generator is not None]
+    assert all(torch.equal(a, b) for a, b in zip(state, after, strict=True))
+    fresh = [row(p, [1, 5, 9], [7, 7]) for p in params]
+    assert Sampler(torch.Generator().manual_seed(0))(logits, fresh) == batched
+
+
+def test_non_finite_logits_raise_instead_of_an_out_of_vocabulary_token() -> None:
+    logits = torch.randn(2, 32)
+    logits[1] = float("nan")
+    rows = [row(SamplingParams(temperature=1.0, seed=1)) for _ in range(2)]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Sampler()(logits, rows)

@@ -69,6 +69,17 @@ INVALID: list[tuple[str, Any, str]] = [
     ("logprobs", 21, "[0, 20]"),
     ("logprobs", 2.0, "int"),
     ("skip_special_tokens", "yes", "bool"),
+    # int64: the sampler builds int64 tensors of these; more would overflow inside a step.
+    ("n", 2**63, "64-bit"),
+    ("top_k", 2**63, "64-bit"),
+    ("top_k", 2**64, "64-bit"),
+    ("max_tokens", 2**63, "64-bit"),
+    ("min_tokens", 2**64, "64-bit"),
+    ("stop_token_ids", [2**63], "64-bit"),
+    ("stop_token_ids", [5, 2**64], "64-bit"),
+    ("stop_token_ids", [-1], "non-negative"),
+    ("stop_token_ids", [-(2**64)], "64-bit"),
+    ("logprobs", 2**64, "64-bit"),
 ]
 
 
@@ -77,7 +88,8 @@ def test_invalid_value_raises_naming_field(field: str, value: Any, message: str)
     with pytest.raises(ValueError) as err:
         SamplingParams(**{field: value})
     text = str(err.value)
-    assert field in text
+    # The field comes first: the router reports the message's first word as the bad `param`.
+    assert text.split()[0] == field
     assert message in text
 
 
@@ -111,12 +123,24 @@ VALID_EDGES: list[dict[str, Any]] = [
     {"logprobs": 0},
     {"logprobs": 20},
     {"ignore_eos": True, "skip_special_tokens": False},
+    {"stop_token_ids": [2**63 - 1], "max_tokens": 2**63 - 1, "min_tokens": 2**63 - 1},
+    {"top_k": 2**63 - 1},
+    # Accepted as vLLM does; the sampler clamps them into what its fp32 arithmetic can take.
+    {"repetition_penalty": 1e-300},
+    {"repetition_penalty": 1e300},
+    {"temperature": 1e300},
 ]
 
 
 @pytest.mark.parametrize("kwargs", VALID_EDGES)
 def test_valid_edge_values_accepted(kwargs: dict[str, Any]) -> None:
     SamplingParams(**kwargs)
+
+
+def test_out_of_range_values_are_kept_as_given() -> None:
+    """Clamping is the sampler's business: params keep what the client asked for."""
+    p = SamplingParams(temperature=1e300, repetition_penalty=1e-300)
+    assert (p.temperature, p.repetition_penalty) == (1e300, 1e-300)
 
 
 def test_normalisation_and_immutability() -> None:

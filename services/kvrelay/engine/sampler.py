@@ -20,6 +20,17 @@ from kvrelay.engine.penalties import (
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.sampling_ops import argmax, sample_inverse_cdf, truncation_threshold
 
+# The clamps live here, not in SamplingParams: they are limits of this fp32 arithmetic, and the
+# params keep what the client asked for (vLLM accepts any penalty > 0 and temperature >= 0).
+# A seen logit of magnitude L becomes at most L / MIN_REPETITION_PENALTY / GREEDY_EPS ~ 1e11 L
+# after the penalty and the temperature: finite in fp32 for any L below ~1e27, where 1e-40
+# would round to 0 (logit / 0 = inf -> NaN probabilities -> an out-of-vocabulary token).
+MIN_REPETITION_PENALTY = 2.0**-20
+MAX_REPETITION_PENALTY = 2.0**20
+# Above this every realistic logit spread (< 1e3) is flattened to within 0.1% of uniform, so
+# the clamp changes nothing measurable; 1e300 would round to inf in fp32 and -inf / inf = NaN.
+MAX_TEMPERATURE = 2.0**20
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -65,10 +76,34 @@ class Sampler:
             self._generator.seed()  # nondeterministic, like torch's default RNG
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows, self.draw_uniforms(rows))
+
+    def draw_uniforms(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The uniform in [0, 1) each non-greedy row draws this step ([S]; 0 for greedy rows):
+        seeded rows from their own generator (one draw each), the others from the Sampler's,
+        which advances by the number of non-greedy rows. Drawn before any row's arithmetic
+        runs, so a caller can re-run `sample` on some rows after a failure without drawing
+        again."""
+        u = torch.zeros(len(rows))  # [S]
+        rand_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if rand_rows:
+            u[rand_rows] = self._uniforms([rows[i] for i in rand_rows])
+        return u
+
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], uniforms: torch.Tensor
+    ) -> SamplerOutput:
+        """Tokens of `rows` from their logits [S, V] and `draw_uniforms(rows)` [S]; draws
+        nothing. A row's result depends only on its own logits, params, history and uniform.
+
+        Raises:
+            ValueError: bad shapes, or a row whose arithmetic gave no valid token id.
+        """
         # logits: [S, V], fp32 (other float types are upcast)
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or uniforms.shape != (len(rows),):
             raise ValueError(
-                f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}"
+                f"logits must be [len(rows)={len(rows)}, V] and uniforms [{len(rows)}], got "
+                f"{tuple(logits.shape)} and {tuple(uniforms.shape)}"
             )
         params = [r.params for r in rows]
         raw_logprobs = self._raw_logprobs(logits, params)
@@ -82,7 +117,8 @@ class Sampler:
             x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             self._mask_min_tokens(x, rows, min_rows)
             self._penalise(x, rows, pen_rows)
-            tokens = self._choose(x, rows, rand_rows)
+            tokens = self._choose(x, rows, rand_rows, uniforms)
+        _check_token_ids(tokens, logits.shape[1])
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, params, token_ids))
 
@@ -114,7 +150,9 @@ class Sampler:
         if rep:
             penalty = torch.ones(x.shape[0], dtype=x.dtype, device=dev)  # [S]
             penalty[rep] = torch.tensor(
-                [rows[i].params.repetition_penalty for i in rep], dtype=x.dtype, device=dev
+                [_clamp_repetition_penalty(rows[i].params.repetition_penalty) for i in rep],
+                dtype=x.dtype,
+                device=dev,
             )
             seqs = [rows[i].prompt_token_ids for i in rep] + [rows[i].output_token_ids for i in rep]
             r, t = flatten_token_ids(seqs, rep + rep, vocab, dev)
@@ -136,10 +174,11 @@ class Sampler:
             r, t = flatten_token_ids([rows[i].output_token_ids for i in add], add, vocab, dev)
             apply_presence_frequency_penalties(x, r, t, presence, frequency)
 
+    @staticmethod
     def _choose(
-        self, x: torch.Tensor, rows: Sequence[SamplingRow], rand_rows: list[int]
+        x: torch.Tensor, rows: Sequence[SamplingRow], rand_rows: list[int], u: torch.Tensor
     ) -> torch.Tensor:
-        # x: [S, V] penalised logits -> [S] int64 token ids
+        # x: [S, V] penalised logits, u: [S] uniforms -> [S] int64 token ids
         if not rand_rows:
             return argmax(x)
         tokens = torch.empty(x.shape[0], dtype=torch.int64)  # [S]
@@ -147,14 +186,17 @@ class Sampler:
         greedy_rows = [i for i in range(x.shape[0]) if i not in rand_set]
         if greedy_rows:
             tokens[greedy_rows] = argmax(x[greedy_rows]).cpu()
-        tokens[rand_rows] = self._sample(x[rand_rows], [rows[i] for i in rand_rows]).cpu()
+        rand = [rows[i] for i in rand_rows]
+        tokens[rand_rows] = Sampler._sample(x[rand_rows], rand, u[rand_rows]).cpu()
         return tokens
 
-    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        # x: [R, V] penalised logits of the non-greedy rows (a copy: edited in place)
+    @staticmethod
+    def _sample(x: torch.Tensor, rows: Sequence[SamplingRow], u: torch.Tensor) -> torch.Tensor:
+        # x: [R, V] penalised logits of the non-greedy rows (a copy: edited in place); u: [R]
         vocab, dev = x.shape[1], x.device
         ps = [r.params for r in rows]
-        temp = torch.tensor([p.temperature for p in ps], dtype=x.dtype, device=dev)  # [R]
+        temps = [min(p.temperature, MAX_TEMPERATURE) for p in ps]
+        temp = torch.tensor(temps, dtype=x.dtype, device=dev)  # [R]
         x.div_(temp[:, None])
         thresh = None
         if any(p.uses_top_k or p.uses_top_p or p.uses_min_p for p in ps):
@@ -167,7 +209,7 @@ class Sampler:
         probs = x.softmax(dim=-1)  # [R, V]
         if thresh is not None:
             probs.mul_(x >= thresh[:, None])
-        return sample_inverse_cdf(probs, self._uniforms(rows).to(dev))
+        return sample_inverse_cdf(probs, u.to(dev))
 
     def _uniforms(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One uniform in [0, 1) per row: seeded rows from their own generator, others shared."""
@@ -176,6 +218,18 @@ class Sampler:
             if r.generator is not None:
                 u[i] = torch.rand(1, generator=r.generator)[0]
         return u
+
+
+def _clamp_repetition_penalty(penalty: float) -> float:
+    return min(max(penalty, MIN_REPETITION_PENALTY), MAX_REPETITION_PENALTY)
+
+
+def _check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    # NaN probabilities (non-finite logits) make the inverse-CDF draw return vocab_size: an id
+    # that would break the next forward pass of every request in the batch, so refuse it here.
+    if tokens.numel() and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)].tolist()
+        raise ValueError(f"sampled token ids {bad} outside the vocabulary [0, {vocab_size})")
 
 
 def _gather_logprobs(
