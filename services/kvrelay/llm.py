@@ -14,6 +14,7 @@ from tqdm import tqdm
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import RequestFailedError
 
 # A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 Prompt: TypeAlias = str | Mapping[str, Any]
@@ -49,6 +50,10 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt as one continuous batch; outputs in the prompts' order.
+
+        A request the engine had to fail alone (e.g. sampling parameters its arithmetic could
+        not apply) does not fail the others: its output is finished with `error` set (a
+        message) and its samples' finish_reason "abort"; check `output.error`.
 
         Raises:
             ValueError: a bad prompt (empty, too long) or a params list of the wrong length;
@@ -109,6 +114,9 @@ class LLM:
         """Generate for one prompt, yielding new text as soon as it is stable.
 
         Closing the iterator early aborts the request.
+
+        Raises:
+            RequestFailedError: the engine failed the request (`RequestOutput.error`).
         """
         params = sampling_params or SamplingParams()
         if params.n != 1:
@@ -120,6 +128,8 @@ class LLM:
                 for output in self.engine.step():
                     if output.request_id != request_id:
                         continue
+                    if output.error is not None:
+                        raise RequestFailedError(output.error)
                     text = output.outputs[0].text
                     if len(text) > sent:
                         yield text[sent:]

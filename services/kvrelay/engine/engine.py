@@ -13,12 +13,13 @@ import torch
 from kvrelay.config import EngineConfig
 from kvrelay.engine.detokenizer import Tokenizer
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
+from kvrelay.engine.isolation import SAMPLING_FAILED
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
-from kvrelay.engine.runner import CausalLMModel, ModelRunner, SampledToken
+from kvrelay.engine.runner import CausalLMModel, ModelRunner, SampledToken, StepResult
 from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
@@ -184,30 +185,55 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule, forward, sample, update.
 
+        A request whose sampling fails (its parameters break the sampler's arithmetic) fails
+        alone: its final output carries `error`, its blocks are freed, and the rest of the
+        batch goes on with the very tokens it would have had without it.
+
         Returns:
             The cumulative output of every request that produced a token or finished, the
             final outputs of requests finished since the last step outside it included.
+
+        Raises:
+            Exception: the forward pass failed; every request of the batch is aborted first
+                (not bisected: a forward failure is rarely one request's doing, since prompts
+                are validated on entry, and re-running a part of a batch that has written
+                into copy-on-write blocks is not safe).
         """
         self.handoff.expire_leases()
         plan = self.scheduler.schedule()
-        sampled = self._execute(plan) if not plan.is_empty else []
+        result = self._execute(plan) if not plan.is_empty else StepResult([], [])
         touched, self._finished_outside_step = self._finished_outside_step, {}
-        for request, token in sampled:
+        for request in result.failed:
+            parent = self._fail(request, SAMPLING_FAILED)
+            touched[parent.request_id] = parent
+        for request, token in result.sampled:
+            if request.is_finished:  # another sample of its request failed above
+                continue
             parent = self._append_token(request, token.token_id, _logprobs_entry(token))
             touched[parent.request_id] = parent
         return [self._emit(parent) for parent in touched.values()]
 
-    def _execute(self, plan: SchedulerOutput) -> list[tuple[Request, SampledToken]]:
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
         tables = [self.kv_cache.block_table(c.request.request_id) for c in plan.chunks]
         try:
-            sampled = self.runner.execute(plan.chunks, tables, plan.copies)
+            result = self.runner.execute(plan.chunks, tables, plan.copies)
         except Exception:
             # Free what this batch holds so a failure never leaks blocks, then let it surface.
             for chunk in plan.chunks:
                 self.abort(self._owner[chunk.request.request_id][0].request_id)
             raise
         self.scheduler.update_after_step(plan.chunks)
-        return sampled
+        return result
+
+    def _fail(self, request: Request, error: str) -> ParentRequest:
+        """Fail `request`'s whole parent (a request's n samples succeed or fail together):
+        every unfinished sample aborted and its blocks freed; `error` goes to the client."""
+        parent, _ = self._owner[request.request_id]
+        parent.error = error
+        for child in parent.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+        return parent
 
     def _append_token(
         self, request: Request, token_id: int, logprobs: dict[int, float] | None

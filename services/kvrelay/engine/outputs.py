@@ -41,3 +41,6 @@ class RequestOutput:
     # Prefill role: where the prompt's KV waits for a decode engine (finished is True then,
     # with no finish_reason: the request goes on elsewhere).
     kv_handle: KVHandle | None = None
+    # Set when the engine failed this request alone (finished, every sample aborted, its blocks
+    # freed): a message for the client. The worker raises it as RequestFailedError.
+    error: str | None = None

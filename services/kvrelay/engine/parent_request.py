@@ -27,6 +27,7 @@ class ParentRequest:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
     kv_handle: KVHandle | None = None  # set when a prefill engine hands the request off
+    error: str | None = None  # set when the engine failed the request (RequestOutput.error)
 
     @classmethod
     def fan_out(
@@ -113,6 +114,7 @@ class ParentRequest:
             finished=self.finished,
             metrics=self.metrics(),
             kv_handle=self.kv_handle,
+            error=self.error,
         )
 
     def metrics(self) -> dict[str, float]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
+from kvrelay.engine.isolation import sample_isolating
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
 from kvrelay.engine.scheduler import ScheduledChunk
@@ -41,6 +42,14 @@ class SampledToken:
 
     token_id: int
     logprobs: SampleLogprobs | None
+
+
+class StepResult(NamedTuple):
+    """What one step sampled: tokens in chunk order (forks after their leader), and the
+    requests whose sampling failed alone (their traceback logged; the others unaffected)."""
+
+    sampled: list[tuple[Request, SampledToken]]
+    failed: list[Request]
 
 
 @dataclass(frozen=True)
@@ -106,14 +115,11 @@ class ModelRunner:
         chunks: Sequence[ScheduledChunk],
         block_tables: Sequence[list[int]],
         copies: Sequence[tuple[int, int]] = (),
-    ) -> list[tuple[Request, SampledToken]]:
+    ) -> StepResult:
         """Copy the copy-on-write blocks, compute the chunks' K/V, and sample one token for
         each chunk that ends its request and for each of its forks (same logits row, each
-        with its own generator).
-
-        Returns:
-            (request, token) for every request that sampled, in chunk order, forks after
-            their leader.
+        with its own generator). A request whose sampling fails is reported in `failed`
+        rather than failing the step (isolation.py); a failed forward pass raises.
         """
         if copies:
             # Before the forward pass: it may write into a copy's source (its last owner).
@@ -124,7 +130,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:
-            return []
+            return StepResult([], [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [r for c in sampled_chunks for r in (c.request, *c.forks)]
         if len(requests) > len(sampled_chunks):
@@ -141,10 +147,11 @@ class ModelRunner:
             )
             for r in requests
         ]
-        result = self.sampler(logits, rows)
-        return [
-            (request, SampledToken(token_id, logprobs))
-            for request, token_id, logprobs in zip(
-                requests, result.token_ids, result.logprobs, strict=True
-            )
-        ]
+        samples = sample_isolating(self.sampler, logits, rows, [r.request_id for r in requests])
+        result = StepResult([], [])
+        for request, sample in zip(requests, samples, strict=True):
+            if sample is None:
+                result.failed.append(request)
+            else:
+                result.sampled.append((request, SampledToken(sample.token_id, sample.logprobs)))
+        return result
