@@ -1,16 +1,21 @@
 """EngineWorker and EngineLoop in-process (no Ray): the loop thread streams outputs, aborts
-free blocks, and a request failed outside a step still reaches its caller."""
+free blocks, a request failed outside a step still reaches its caller, and a request the
+engine failed alone raises RequestFailedError in its stream only."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.sampler import Sampler, SamplingRow
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import RequestFailedError
 from kvrelay.worker.actor import EngineWorker
 from kvrelay.worker.engine_loop import EngineLoop
 from tests.engine.conftest import EngineFactory, assert_pool_whole, run_to_completion
@@ -119,4 +124,49 @@ def test_fail_policy_output_reaches_the_caller(make_engine: EngineFactory, failu
     assert final.finished and sample.finish_reason == "abort"
     assert isinstance(sample.stop_reason, str) and "KV transfer failed" in sample.stop_reason
     assert engine.stats().kv_transfer_failures == 1
+    assert_pool_whole(engine)
+
+
+def test_a_request_failed_alone_raises_in_its_stream_only(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 12: the engine fails one request (its sampling raises); its caller gets
+    RequestFailedError, and the other request on the loop finishes with a clean run's tokens."""
+    good = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    bad = SamplingParams(temperature=1.0, top_k=77, max_tokens=8, ignore_eos=True)
+    reference = make_engine()
+    reference.add_request("good", PROMPT, good)
+    expected = run_to_completion(reference)["good"][0]
+    original = Sampler._sample
+
+    def faulty(x: torch.Tensor, rows: Sequence[SamplingRow], u: torch.Tensor) -> torch.Tensor:
+        if any(r.params.top_k == 77 and len(r.output_token_ids) >= 2 for r in rows):
+            raise RuntimeError("injected sampling fault")
+        return original(x, rows, u)
+
+    monkeypatch.setattr(Sampler, "_sample", staticmethod(faulty))
+    engine = make_engine()
+    loop = EngineLoop(engine)
+
+    async def collect(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        final = [o async for o in loop.outputs(rid, prompt, params)][-1]
+        return final.outputs[0].token_ids
+
+    async def main() -> tuple[list[int] | BaseException, ...]:
+        return tuple(
+            await asyncio.gather(
+                collect("good", PROMPT, good),
+                collect("bad", PROMPT[:9], bad),
+                return_exceptions=True,
+            )
+        )
+
+    try:
+        got, failed = asyncio.run(asyncio.wait_for(main(), timeout=30))
+        stats = asyncio.run(loop.call(lambda e: e.stats()))
+    finally:
+        loop.shutdown()
+    assert isinstance(failed, RequestFailedError) and "could not sample" in str(failed)
+    assert got == expected
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
     assert_pool_whole(engine)

@@ -19,7 +19,7 @@ from typing import TypeVar
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, PullPlan
+from kvrelay.messages import KVHandle, PullPlan, RequestFailedError
 from kvrelay.transfer.base import KVConnector, TransferError
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,10 @@ class EngineLoop:
                 return True
 
     def _step(self) -> bool:
-        """One engine step, outputs delivered; False when nothing could run (back off)."""
+        """One engine step, outputs delivered; False when nothing could run (back off).
+
+        A request the engine failed alone ends its stream with RequestFailedError; a step
+        that raises (the engine's state is then unknown) fails every request here."""
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -237,7 +240,9 @@ class EngineLoop:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.put(output)
+            # A request the engine failed alone (its blocks are freed already): its caller
+            # gets the error, the other requests of the step their tokens.
+            stream.put(output if output.error is None else RequestFailedError(output.error))
             if output.finished:
                 del self._streams[output.request_id]
         # A prefill chunk yields no output but is progress: only an empty running set (waiting
