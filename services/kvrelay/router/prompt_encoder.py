@@ -1,0 +1,93 @@
+"""Tokenizing and chat templating off the event loop, so that no prompt, however long, stalls
+other clients' streams or /health.
+
+A prompt far longer than the context length is refused before it is tokenized at all: a token
+covers at most `max_token_chars` characters of text, so a text longer than max_model_len times
+that (with a margin for normalisation) cannot fit. Tokenizing 20 MB took 28 s; this check takes
+microseconds. What remains runs on one worker thread (a fast tokenizer is not safe to call from
+several threads at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from kvrelay.router.errors import InvalidRequestError
+from kvrelay.router.prompts import check_text
+
+T = TypeVar("T")
+# Normalisers may merge characters (NFC joins "e" + U+0301): leave room before refusing.
+_NORMALISATION_MARGIN = 4
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_chars = max_model_len * _max_token_chars(tokenizer) * _NORMALISATION_MARGIN
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-tokenize")
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """`text`'s token ids (the tokenizer's special tokens added, as vLLM does)."""
+        self._check(text, param)
+        if not text:
+            raise InvalidRequestError("the prompt is empty", param)
+        encoded = await self._run(self.tokenizer, text)
+        return list(encoded["input_ids"])
+
+    async def render_chat(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """The chat template applied to validated messages (prompts.chat_messages): (text, ids)."""
+        for i, message in enumerate(messages):
+            self._check(message["content"], f"messages.{i}.content")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template: use /v1/completions with plain text", "messages"
+            )
+        return await self._run(_render, self.tokenizer, list(messages), add_generation_prompt)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _check(self, text: str, param: str) -> None:
+        check_text(text, param)
+        if self.tokenizer is None:
+            message = "this server takes token ids only (it has no tokenizer)"
+            raise InvalidRequestError(message, param)
+        if len(text) > self.max_chars:
+            raise InvalidRequestError(
+                f"{param} has {len(text)} characters, far more than the context length of "
+                f"{self.max_model_len} tokens can hold: shorten it",
+                param,
+            )
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
+
+
+def _render(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> tuple[str, list[int]]:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:  # a template's own raise_exception, e.g. roles out of order
+        message = f"the chat template rejected the messages: {exc}"
+        raise InvalidRequestError(message, "messages") from exc
+    # The template already holds every special token it wants.
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _max_token_chars(tokenizer: Any) -> int:
+    """The most characters any one token (added tokens included) stands for."""
+    if tokenizer is None:
+        return 1
+    vocab = tokenizer.get_vocab()
+    return max((len(token) for token in vocab), default=1) or 1
