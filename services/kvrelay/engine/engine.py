@@ -20,7 +20,7 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
 from kvrelay.engine.runner import CausalLMModel, ModelRunner, SampledToken, StepResult
-from kvrelay.engine.sampler import Sampler
+from kvrelay.engine.sampler import Sampler, skip_seeded_draws
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.messages import EngineStats, KVHandle, PullPlan, Role
@@ -105,8 +105,14 @@ class Engine:
         *,
         prompt: str | None = None,
         priority: int = 0,
+        resume_output_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request; its `params.n` samples run as separate sequences.
+
+        `resume_output_token_ids` (n = 1 only) continues a sequence another engine started:
+        those outputs are recomputed with the prompt and count as this request's own (for
+        max_tokens, min_tokens, penalties), and a seeded generator skips their draws, so the
+        tokens that follow are the ones the first engine would have produced.
 
         With prefix caching on, the samples share one prefill: sample 0 computes the prompt,
         the others fork from it at its first token (copy-on-write of the partial last block).
@@ -118,12 +124,40 @@ class Engine:
                 prefill engine.
         """
         self.handoff.check_params(params, prefilled=False)
+        resumed = self._check_resume(prompt_token_ids, params, resume_output_token_ids)
         children = self._register(request_id, prompt_token_ids, params, prompt, priority)
+        if resumed:
+            self._resume(children[0], resumed)
         if self.kv_cache.enable_caching:
             self.scheduler.add(children[0], forks=children[1:])
         else:
             for child in children:
                 self.scheduler.add(child)
+
+    def _check_resume(
+        self, prompt: Sequence[int], params: SamplingParams, outputs: Sequence[int]
+    ) -> list[int]:
+        outputs = [int(t) for t in outputs]
+        if not outputs:
+            return outputs
+        vocab = self.config.model_config.vocab_size
+        if params.n != 1:
+            raise ValueError("resume_output_token_ids needs n = 1")
+        if any(not 0 <= t < vocab for t in outputs):
+            raise ValueError(f"resume_output_token_ids must be in [0, {vocab})")
+        if params.max_tokens is not None and len(outputs) >= params.max_tokens:
+            raise ValueError("resume_output_token_ids leaves nothing to generate (max_tokens)")
+        if len(prompt) + len(outputs) >= self.max_total_tokens:
+            raise ValueError("the prompt and resume_output_token_ids fill the context")
+        return outputs
+
+    def _resume(self, request: Request, outputs: list[int]) -> None:
+        request.resume(outputs)
+        parent, index = self._owner[request.request_id]
+        for token_id in outputs:
+            parent.detokenize(index, token_id)  # the text so far; a stop was checked there
+        if request.generator is not None and not request.sampling_params.is_greedy:
+            skip_seeded_draws(request.generator, len(outputs))
 
     def _register(
         self,
@@ -292,6 +326,8 @@ class Engine:
         parent = self._append_token(
             request, handle.first_token_id, first_token_logprobs(handle, params)
         )
+        if request.generator is not None and not params.is_greedy:
+            skip_seeded_draws(request.generator, 1)  # the prefill engine drew the first token
         plan = None if request.is_finished else self.handoff.admit_prefilled(request, handle)
         if request.is_finished:
             self._finished_outside_step[request_id] = parent

@@ -113,6 +113,14 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
+    def resume(self, output_token_ids: Sequence[int]) -> None:
+        """Take over the outputs another engine produced (a sequence migrated from a worker
+        that died): they are computed again with the prompt, and the next token follows them.
+        Their logprobs are placeholders: whoever resumes already has the real ones."""
+        self.output_token_ids = list(output_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs = [{} for _ in output_token_ids]
+
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last output token caused, if any (EOS, stop token, length)."""
         params = self.sampling_params

@@ -216,8 +216,21 @@ class Sampler:
         u = torch.rand(len(rows), generator=self._generator)  # [R]
         for i, r in enumerate(rows):
             if r.generator is not None:
-                u[i] = torch.rand(1, generator=r.generator)[0]
+                u[i] = _seeded_uniform(r.generator)
         return u
+
+
+def _seeded_uniform(generator: torch.Generator) -> torch.Tensor:
+    """The one draw a seeded sample makes per token."""
+    return torch.rand(1, generator=generator)[0]
+
+
+def skip_seeded_draws(generator: torch.Generator, count: int) -> None:
+    """Advance a sample's own generator past `count` tokens sampled by another engine (the
+    prefill worker's first token, or a worker that died mid-stream), so that this engine goes
+    on with the seeded stream exactly where the other left it."""
+    for _ in range(count):
+        _seeded_uniform(generator)
 
 
 def _clamp_repetition_penalty(penalty: float) -> float:
