@@ -98,6 +98,14 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.migrations = Counter(
+            "kvrelay_requests_migrated",
+            "Samples whose worker died mid-stream and that went on at another worker after the "
+            "tokens already streamed (or retried whole, when none had been).",
+            ["outcome"],
+            registry=r,
+        )
+
     def watch_pools(self, snapshot: Callable[[], Mapping[str, Sequence[EngineStats]]]) -> None:
         """Export the pools' gauges and counters from `snapshot()`: pool -> its workers'
         latest stats (healthy workers only)."""

@@ -76,6 +76,7 @@ class FakeState:
     handles: tuple[str, ...]  # request ids of the KV handles generate got
     pull_failures: int
     peers: tuple[str, ...]  # prefill engine ids add_peer introduced
+    resumed: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, tokens it resumed after)
 
     @property
     def whole(self) -> bool:
@@ -118,6 +119,7 @@ class FakeWorker:
         self.released: list[tuple[str, bool]] = []
         self.forgotten: list[str] = []
         self.handles: list[str] = []
+        self.resumed: list[tuple[str, tuple[int, ...]]] = []
         self.pull_failures = 0
         self.peers: dict[str, int] = {}
 
@@ -136,6 +138,7 @@ class FakeWorker:
         self.released.clear()
         self.forgotten.clear()
         self.handles.clear()
+        self.resumed.clear()
         self.pull_failures = 0
         self.peers.clear()
         return state
@@ -151,6 +154,7 @@ class FakeWorker:
             released=tuple(self.released),
             forgotten=tuple(self.forgotten),
             handles=tuple(self.handles),
+            resumed=tuple(self.resumed),
             pull_failures=self.pull_failures,
             peers=tuple(sorted(self.peers)),
         )
@@ -193,15 +197,18 @@ class FakeWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         kv_handle: KVHandle | None = None,
+        resume_output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[OutputDelta]:
         self.calls.append(("generate", request_id))
+        if resume_output_token_ids:
+            self.resumed.append((request_id, tuple(resume_output_token_ids)))
         if self.role is Role.PREFILL or (kv_handle is not None and self.role is not Role.DECODE):
             raise RuntimeError(f"a {self.role} worker cannot run this request")
         prompt = list(prompt_token_ids)
         live = self._start(request_id, prompt)
         try:
             limit = params.max_tokens or self.max_model_len - len(prompt)
-            tokens: list[int] = []
+            tokens: list[int] = list(resume_output_token_ids)  # a migrated sample goes on
             if kv_handle is not None:
                 self.handles.append(kv_handle.request_id)
                 if await self._wait(live, self.faults.pull_s):

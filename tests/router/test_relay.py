@@ -321,7 +321,7 @@ async def _any(flags: Awaitable[list[bool]]) -> bool:
 
 
 @pytest.mark.parametrize("when", ["during_pull", "mid_decode"])
-async def test_decode_worker_dies_after_the_first_token(
+async def test_a_decode_worker_dying_mid_stream_hands_the_sample_on(
     cluster: Cluster, rid: str, when: str
 ) -> None:
     p = await cluster.start("prefill", "p0")
@@ -331,15 +331,38 @@ async def test_decode_worker_dies_after_the_first_token(
     client = Client(router, rid)
     await client.read(until=1)  # the prefill's token reached the client
     assert client.tokens == EXPECTED[:1]
+    spare = await cluster.start("decode", "d1")  # joins once d0 has the sample
+    await router.registry.add(spare)
     if when == "mid_decode":  # D's first output came: the relay released P's lease
         await eventually(lambda: _released(p), "the lease's release")
     cluster.kill(d)
-    with pytest.raises(UnavailableError, match="streamed tokens"):
+    async with asyncio.timeout(WAIT_S):
+        await client.read_to_end()
+    # No gap, no repeat: the spare resumed after the token the client had.
+    assert client.tokens == EXPECTED
+    assert client.finish_reason == "length"
+    assert "d0" not in router.registry.workers
+    _, spare_state = await cluster.assert_whole(p, spare)
+    assert spare_state.resumed == ((rid, (EXPECTED[0],)),)
+    assert router.metrics.migrations.labels("resumed")._value.get() == 1
+
+
+async def test_with_no_worker_to_take_over_the_client_gets_a_clear_error(
+    cluster: Cluster, rid: str
+) -> None:
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0", step_s=SLOW_S)
+    router = await cluster.make_router(p, d, migration_wait_s=0.5)
+    client = Client(router, rid)
+    await client.read(until=1)
+    cluster.kill(d)
+    with pytest.raises(UnavailableError, match="no other could take it over") as info:
         async with asyncio.timeout(WAIT_S):
             await client.read_to_end()
+    assert "d0" not in info.value.message  # nothing about the workers reaches the client
     assert "d0" not in router.registry.workers
     (ps,) = await cluster.assert_whole(p)
-    assert ps.released == ((rid, True),)
+    assert ps.released == ((rid, True),) or ps.released == ()
 
 
 async def _released(actor: Any) -> bool:

@@ -8,6 +8,7 @@ the request wherever it still runs, so every KV block is freed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +64,9 @@ class RelayConfig:
     max_local_prefill_tokens: int = 64
     kv_transfer_failure: str = "recompute"  # or "fail", as the workers' engines
     max_attempts: int = 3
+    # How long a sample whose worker died waits for a decode-capable worker to resume at
+    # (a pool of one: until its replacement is up).
+    migration_wait_s: float = 60.0
 
 
 class Relay:
@@ -79,27 +83,55 @@ class Relay:
         self.metrics = metrics
 
     async def run(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
-        """Run the sample to its end; a worker that dies before the sample streamed anything
-        is taken out and the sample retried elsewhere."""
+        """Run the sample to its end. A worker that dies is taken out and the sample goes on
+        elsewhere, up to `max_attempts` times: retried whole if it had produced no token yet,
+        else migrated: resumed at a decode-capable worker after the tokens it already has, so
+        the client's stream goes on with no gap and no repeat."""
         for attempt in range(1, self.config.max_attempts + 1):
             try:
-                await self._run_once(run, hashes, block_size)
+                if run.state.token_ids:
+                    await self._migrate(run, hashes, block_size)
+                else:
+                    await self._run_once(run, hashes, block_size)
                 return
             except WorkerLostError as exc:
                 self.registry.remove(exc.worker.worker_id, str(exc))
-                if run.emitted or attempt == self.config.max_attempts:
-                    raise UnavailableError(
-                        f"request {run.request_id}: {exc}; it had streamed tokens, so it was "
-                        "not retried"
-                        if run.emitted
-                        else f"request {run.request_id}: {exc}; retried {attempt} times"
-                    ) from exc
                 logger.warning(
-                    "request %s: %s; retrying on another worker",
+                    "request %s (attempt %d of %d): %s",
                     run.request_id,
+                    attempt,
+                    self.config.max_attempts,
                     exc,
                     exc_info=exc.__cause__,
                 )
+                if attempt == self.config.max_attempts:
+                    self.metrics.migrations.labels("failed").inc()
+                    raise UnavailableError(
+                        f"the workers serving this request failed {attempt} times; retry it"
+                    ) from exc
+
+    async def _migrate(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
+        """Resume the sample at a healthy decode-capable worker after its tokens so far,
+        waiting (up to `migration_wait_s`) for one to exist: a pool of one is being replaced."""
+        done = run.state.token_ids
+        blocks_needed = -(-(len(run.prompt) + (run.params.max_tokens or len(done))) // block_size)
+        query = RouteQuery(hashes, blocks_needed)
+        deadline = time.monotonic() + self.config.migration_wait_s
+        while True:
+            candidates = self.registry.healthy(Role.DECODE) + self.registry.healthy(Role.BOTH)
+            worker = self.policy.pick(candidates, query, self.registry.index)
+            if worker is not None:
+                break
+            if time.monotonic() >= deadline:
+                self.metrics.migrations.labels("failed").inc()
+                raise UnavailableError(
+                    "the worker serving this request failed and no other could take it over "
+                    f"within {self.config.migration_wait_s:g} s; retry it"
+                )
+            await asyncio.sleep(0.2)
+        self.metrics.migrations.labels("resumed").inc()
+        self.registry.index.record(worker.worker_id, hashes)
+        await self._stream(run, worker, None, resume=list(done))
 
     async def _run_once(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
         roles = self.registry.roles()
@@ -195,14 +227,16 @@ class Relay:
         worker: WorkerState,
         handle: KVHandle | None,
         before_first: Callable[[], Any] | None = None,
+        resume: Sequence[int] = (),
     ) -> bool:
-        """Stream the sample from `worker` until it finishes; False when `before_first` (run at
-        the first output, before it is used) says to stop."""
+        """Stream the sample from `worker` until it finishes (after the `resume` tokens it
+        already has, when given); False when `before_first` (run at the first output, before
+        it is used) says to stop."""
         worker.in_flight += 1
         worker_done = False
         try:
             stream = worker.handle.generate.options(num_returns="streaming").remote(
-                run.request_id, run.prompt, run.params, handle
+                run.request_id, run.prompt, run.params, handle, list(resume)
             )
             async for ref in stream:
                 delta: OutputDelta = await ref

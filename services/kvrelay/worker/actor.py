@@ -61,13 +61,18 @@ class EngineWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         kv_handle: KVHandle | None = None,
+        resume_output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[OutputDelta]:
         """Each step's new tokens, up to the finished delta; with `kv_handle`, the prompt's KV
         is pulled from its prefill worker first (recomputed here if the pull fails, or failed,
-        by the engine's kv_transfer_failure). Call it with `num_returns="streaming"` through
-        Ray; leaving early aborts the request."""
-        tracker = DeltaTracker()
-        async for output in self.loop.outputs(request_id, prompt_token_ids, params, kv_handle):
+        by the engine's kv_transfer_failure). With `resume_output_token_ids`, a sequence that
+        another worker started goes on after those tokens (Engine.add_request); the deltas
+        start after them. Call it with `num_returns="streaming"` through Ray; leaving early
+        aborts the request."""
+        resumed = list(resume_output_token_ids)
+        tracker = DeltaTracker(already_sent=len(resumed))
+        outputs = self.loop.outputs(request_id, prompt_token_ids, params, kv_handle, resumed)
+        async for output in outputs:
             yield tracker.delta(output)
 
     def describe(self) -> WorkerInfo:

@@ -14,8 +14,9 @@ from kvrelay.messages import OutputDelta, SampleDelta
 class DeltaTracker:
     """Turns one request's cumulative outputs into deltas."""
 
-    def __init__(self) -> None:
-        self._sent: dict[int, int] = {}  # sample index -> tokens already sent
+    def __init__(self, already_sent: int = 0) -> None:
+        # sample index -> tokens already sent (a resumed n = 1 request: those it came with)
+        self._sent: dict[int, int] = {0: already_sent} if already_sent else {}
         self._done: set[int] = set()  # samples whose finish was sent
 
     def delta(self, output: RequestOutput) -> OutputDelta:

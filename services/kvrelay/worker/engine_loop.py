@@ -96,12 +96,14 @@ class EngineLoop:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         kv_handle: KVHandle | None = None,
+        resume_output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request (a prefilled one, pulled from `kv_handle`'s worker, when given) and
-        yield its cumulative outputs up to the finished one. Leaving early aborts it."""
+        """Add a request (a prefilled one, pulled from `kv_handle`'s worker, when given; one
+        resumed after `resume_output_token_ids`, when given) and yield its cumulative outputs
+        up to the finished one. Leaving early aborts it."""
         stream = _Stream(asyncio.get_running_loop())
-        prompt = list(prompt_token_ids)
-        self.submit(lambda: self._add(request_id, prompt, params, kv_handle, stream))
+        prompt, resumed = list(prompt_token_ids), list(resume_output_token_ids)
+        self.submit(lambda: self._add(request_id, prompt, params, kv_handle, stream, resumed))
         finished = False
         try:
             while True:
@@ -139,6 +141,7 @@ class EngineLoop:
         params: SamplingParams,
         handle: KVHandle | None,
         stream: _Stream,
+        resumed: list[int],
     ) -> None:
         if request_id in self._streams:
             stream.put(ValueError(f"request {request_id!r} is already running here"))
@@ -146,7 +149,7 @@ class EngineLoop:
         plan: PullPlan | None = None
         try:
             if handle is None:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, resume_output_token_ids=resumed)
             else:
                 plan = self.engine.add_prefilled_request(request_id, prompt, params, handle)
         except Exception as exc:

@@ -1,0 +1,90 @@
+"""Mid-stream migration on real workers (issue 13): a decode worker killed while it streams a
+sample; the router resumes the sample at the other decode worker after the tokens the client
+already has, and the client's stream ends with exactly the tokens of an undisturbed run (greedy
+and seeded), with no gap and no repeat. The survivors' pools are whole afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import Role
+from kvrelay.router.local import complete, local_router
+from kvrelay.router.relay import RelayConfig
+from kvrelay.router.router import Router
+from kvrelay.router.types import GenerateRequest, new_request_id
+from kvrelay.worker.pools import Pools
+from tests.worker.conftest import TINY_ENGINE_KWARGS
+
+PROMPT = list(range(3, 23))
+TOKENS = 200  # long enough that the kill lands mid-stream on the tiny model
+
+
+@pytest.fixture
+def pools(worker_ray: None, tiny_llama_dir: Path) -> Iterator[Pools]:
+    started = Pools.start(
+        str(tiny_llama_dir),
+        num_prefill=1,
+        num_decode=2,
+        transfer_backend="nixl",
+        engine_kwargs=TINY_ENGINE_KWARGS,
+    )
+    yield started
+    started.shutdown()
+
+
+def serving_decode_worker(router: Router) -> Any:
+    """The decode worker that holds the one request in flight."""
+    busy = [w for w in router.registry.healthy(Role.DECODE) if w.in_flight]
+    assert len(busy) == 1
+    return busy[0]
+
+
+async def stream_with_a_kill(router: Router, params: SamplingParams) -> tuple[list[int], str]:
+    """Stream one request; kill its decode worker after a few tokens; read on to the end."""
+    request = GenerateRequest(new_request_id(), PROMPT, params)
+    tokens: list[int] = []
+    killed = ""
+    finish = None
+    async with asyncio.timeout(120):
+        async for chunk in router.generate(request):
+            for choice in chunk.choices:
+                tokens.extend(choice.token_ids)
+                finish = choice.finish_reason or finish
+            if not killed and len(tokens) >= 3:
+                victim = serving_decode_worker(router)
+                killed = victim.worker_id
+                ray.kill(victim.handle, no_restart=True)
+    assert finish == "length"
+    return tokens, killed
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=TOKENS),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=TOKENS, min_tokens=TOKENS),
+    ],
+    ids=["greedy", "seeded"],
+)
+async def test_a_killed_decode_worker_hands_its_stream_on(
+    pools: Pools, params: SamplingParams
+) -> None:
+    router = await local_router(pools.workers, relay=RelayConfig(max_local_prefill_tokens=0))
+    undisturbed = (await complete(router, PROMPT, params)).choices[0].token_ids
+    assert len(undisturbed) == TOKENS
+    tokens, killed = await stream_with_a_kill(router, params)
+    assert tokens == undisturbed
+    assert killed not in router.registry.workers
+    assert router.metrics.migrations.labels("resumed")._value.get() == 1
+    survivors = [w.handle for w in router.registry.workers.values()]
+    assert len(survivors) == 2
+    for stats in ray.get([w.stats.remote() for w in survivors]):
+        assert stats.num_free_blocks == stats.num_blocks
+        assert stats.num_leases == 0 and stats.num_running == 0
