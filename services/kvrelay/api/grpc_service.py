@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvrelay.api.auth import check_api_key
 from kvrelay.api.grpc_convert import response_message, to_request
@@ -102,14 +102,44 @@ async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
     await context.abort(code, message)
 
 
+class KeyedReflection(reflection_pb2_grpc.ServerReflectionServicer):
+    """Server reflection that, with an API key set, answers only callers sending it (the
+    service list maps the API, as /openapi.json would).
+
+    Why a wrapper and not a server interceptor: the check stays in the one handler it
+    concerns, and a grpc.aio interceptor could refuse a bidi-streaming call only by building a
+    replacement handler. Health stays open: probes carry no key."""
+
+    def __init__(
+        self,
+        service_names: tuple[str, ...],
+        authenticate: Callable[[grpc.aio.ServicerContext], None],
+    ) -> None:
+        # Typed Any: the stubs declare ServerReflectionInfo a coroutine; it is an async generator.
+        self._reflection: Any = reflection.aio.ReflectionServicer(service_names)
+        self._authenticate = authenticate
+
+    async def ServerReflectionInfo(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        try:
+            self._authenticate(context)
+        except RouterError as exc:
+            await _abort(context, exc)
+        async for response in self._reflection.ServerReflectionInfo(request_iterator, context):
+            yield response
+
+
 def add_services(server: grpc.aio.Server, router: Router, api_key: str | None) -> Any:
     """Register the Generation, health and reflection services; returns the health servicer
     (the server flips it to NOT_SERVING while draining)."""
-    GenerationService(router, api_key).add_to(server)
+    generation = GenerationService(router, api_key)
+    generation.add_to(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-    reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+    reflecting = KeyedReflection((*names, reflection.SERVICE_NAME), generation._authenticate)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflecting, server)
     return health_servicer
 
 

@@ -23,9 +23,21 @@ from kvrelay.router.types import GenerateChunk, GenerateRequest, new_request_id
 
 
 def create_http_app(
-    router: Router, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    router: Router,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    enable_docs: bool = False,
 ) -> FastAPI:
-    app = FastAPI(title="kvrelay", summary="OpenAI-compatible API of kvrelay", docs_url="/docs")
+    """The app; /docs, /redoc and /openapi.json only with `enable_docs` (they map the whole
+    API to anyone who can connect, key or not)."""
+    app = FastAPI(
+        title="kvrelay",
+        summary="OpenAI-compatible API of kvrelay",
+        docs_url="/docs" if enable_docs else None,
+        redoc_url="/redoc" if enable_docs else None,
+        openapi_url="/openapi.json" if enable_docs else None,
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     add_error_handlers(app)
     _add_probe_routes(app, router)
