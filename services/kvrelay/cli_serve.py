@@ -38,8 +38,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add(
         "--api-key",
         default=None,
-        help="the API key clients must send (Authorization: Bearer KEY); prefer --api-key-env, "
-        "which keeps it out of the process list",
+        help="the API key clients must send, exactly 'Authorization: Bearer KEY' on HTTP and "
+        "gRPC (gRPC reflection too); /health, /metrics and gRPC health stay open for probes "
+        "and Prometheus. Prefer --api-key-env, which keeps it out of the process list",
     )
     add(
         "--api-key-env",
@@ -56,6 +57,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="largest HTTP request body / gRPC message; larger ones get 413 / "
         "RESOURCE_EXHAUSTED (default 4 MiB)",
     )
+    _add_tls_args(group)
     group = parser.add_argument_group("router")
     add = group.add_argument
     add("--served-model-name", default=None, help="model id clients use (default: folder name)")
@@ -80,6 +82,42 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="prompts with at most this many tokens not cached at the decode worker run "
         "whole there, without a prefill worker (default 64)",
+    )
+
+
+def _pem_file(path: str) -> str:
+    """An argparse type: a file this process can read, checked before anything starts."""
+    if not os.access(path, os.R_OK) or not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"cannot read {path}")
+    return path
+
+
+def _add_tls_args(group: Any) -> None:
+    add = group.add_argument
+    add(
+        "--ssl-certfile",
+        type=_pem_file,
+        default=None,
+        metavar="PEM",
+        help="server certificate (chain); with --ssl-keyfile both APIs speak TLS only: "
+        "https:// and a TLS gRPC port (default: plaintext)",
+    )
+    add("--ssl-keyfile", type=_pem_file, default=None, metavar="PEM",
+        help="private key of --ssl-certfile")  # fmt: skip
+    add(
+        "--ssl-ca-certs",
+        type=_pem_file,
+        default=None,
+        metavar="PEM",
+        help="CA bundle for client certificates (mTLS): HTTP and gRPC clients without a "
+        "valid certificate signed by one of these CAs fail the handshake (setting it "
+        "requires them; there is no --ssl-cert-reqs)",
+    )
+    add(
+        "--enable-docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json (off by default: they map the API for "
+        "anyone who can connect, with or without a key)",
     )
 
 
@@ -185,6 +223,10 @@ def _server_config(ns: argparse.Namespace) -> Any:
         ns.api_key or os.environ.get(ns.api_key_env) or None,
         ns.drain_timeout,
         ns.max_body_bytes,
+        ssl_certfile=ns.ssl_certfile,
+        ssl_keyfile=ns.ssl_keyfile,
+        ssl_ca_certs=ns.ssl_ca_certs,
+        enable_docs=ns.enable_docs,
     )
 
 

@@ -82,8 +82,13 @@ async def run_router(
 
 def ready_message(server: ApiServer, router: Router, pools: str) -> str:
     cfg = server.config
-    http = f"http://{cfg.http_host}:{server.http_port}"
+    scheme = "https" if cfg.tls else "http"
+    http = f"{scheme}://{cfg.http_host}:{server.http_port}"
+    grpc_security = (" (mTLS)" if cfg.mtls else " (TLS)") if cfg.tls else ""
     auth = " -H 'Authorization: Bearer $KVRELAY_API_KEY'" if cfg.api_key else ""
+    # With mTLS curl must present a certificate signed by --ssl-ca-certs; it must also trust
+    # the server's CA (--cacert) when that is not a public one.
+    cert = " --cert CLIENT.pem --key CLIENT.key" if cfg.mtls else ""
     body = (
         f'{{"model": "{router.model.id}", '
         '"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 40}'
@@ -91,10 +96,10 @@ def ready_message(server: ApiServer, router: Router, pools: str) -> str:
     return (
         f"kvrelay is serving {router.model.id} ({pools})\n"
         f"  OpenAI API  {http}/v1\n"
-        f"  gRPC        {cfg.grpc_host}:{server.grpc_port}\n"
+        f"  gRPC        {cfg.grpc_host}:{server.grpc_port}{grpc_security}\n"
         f"  metrics     {http}/metrics\n"
         "try:\n"
-        f"  curl {http}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"  curl{cert} {http}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{body}'\n"
         "Ctrl-C stops it (requests in flight finish first)."
     )

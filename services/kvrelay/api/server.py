@@ -1,12 +1,14 @@
 """Both APIs in one asyncio loop beside the router, with a draining shutdown: on SIGTERM /
 SIGINT new requests get 503 / UNAVAILABLE and health turns NOT_SERVING, in-flight streams
-finish (up to a grace period), then the servers stop."""
+finish (up to a grace period), then the servers stop. TLS (and client certificates, mTLS) on
+both APIs when ServerConfig names the files."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,61 @@ class ServerConfig:
     api_key: str | None = None
     drain_timeout_s: float = 30.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # HTTP bodies and gRPC messages alike
+    # PEM files. certfile + keyfile: both APIs speak TLS only. ca_certs: clients must present
+    # a certificate signed by one of these CAs (mTLS), on HTTP and gRPC alike.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    enable_docs: bool = False  # /docs, /redoc, /openapi.json
+
+    def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError(
+                "--ssl-ca-certs (client certificates) needs --ssl-certfile and --ssl-keyfile: "
+                "the server must speak TLS first"
+            )
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    @property
+    def mtls(self) -> bool:
+        return self.ssl_ca_certs is not None
+
+
+def uvicorn_ssl_options(config: ServerConfig) -> dict[str, Any]:
+    """uvicorn.Config's ssl_* arguments: none without TLS; a client certificate required
+    (CERT_REQUIRED) when ssl_ca_certs is set, so a client without one fails the handshake."""
+    if not config.tls:
+        return {}
+    return {
+        "ssl_certfile": config.ssl_certfile,
+        "ssl_keyfile": config.ssl_keyfile,
+        "ssl_ca_certs": config.ssl_ca_certs,
+        "ssl_cert_reqs": ssl.CERT_REQUIRED if config.mtls else ssl.CERT_NONE,
+    }
+
+
+def grpc_server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """The gRPC port's TLS credentials (None: plaintext); the files are read now, so a
+    missing or unreadable one fails at start with its name."""
+    if not config.tls:
+        return None
+    assert config.ssl_certfile is not None and config.ssl_keyfile is not None
+    key, cert = _read(config.ssl_keyfile), _read(config.ssl_certfile)
+    ca = _read(config.ssl_ca_certs) if config.ssl_ca_certs is not None else None
+    return grpc.ssl_server_credentials([(key, cert)], ca, require_client_auth=ca is not None)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
 
 
 class ApiServer:
@@ -44,8 +101,11 @@ class ApiServer:
             ("grpc.max_receive_message_length", config.max_body_bytes),
         ]
         self._grpc = grpc.aio.server(options=options)
+        self._grpc_credentials = grpc_server_credentials(config)
         self._health: Any = add_services(self._grpc, router, config.api_key)
-        app = create_http_app(router, config.api_key, config.max_body_bytes)
+        app = create_http_app(
+            router, config.api_key, config.max_body_bytes, enable_docs=config.enable_docs
+        )
         uv_config = uvicorn.Config(
             app,
             host=config.http_host,
@@ -53,6 +113,7 @@ class ApiServer:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,
+            **uvicorn_ssl_options(config),
         )
         self._http = uvicorn.Server(uv_config)
         self._http_task: asyncio.Task[None] | None = None
@@ -60,7 +121,11 @@ class ApiServer:
 
     async def start(self) -> None:
         cfg = self.config
-        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.grpc_host}:{cfg.grpc_port}")
+        address = f"{cfg.grpc_host}:{cfg.grpc_port}"
+        if self._grpc_credentials is None:
+            self.grpc_port = self._grpc.add_insecure_port(address)
+        else:
+            self.grpc_port = self._grpc.add_secure_port(address, self._grpc_credentials)
         await self._grpc.start()
         await self._health.set("", SERVING)
         self._http_task = asyncio.create_task(self._http.serve())
