@@ -21,6 +21,7 @@ from kvrelay.client.errors import (
     RequestCancelledError,
     UnavailableError,
 )
+from kvrelay.client.options import tls_credentials
 from kvrelay.client.retry import RetryEvent, RetryPolicy
 from kvrelay.client.sync_client import Client, Stream
 from kvrelay.client.types import (
@@ -61,5 +62,6 @@ __all__ = [
     "UnavailableError",
     "Usage",
     "errors",
+    "tls_credentials",
     "types",
 ]

@@ -5,6 +5,7 @@ I/O and sleeping, each in its own way.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
@@ -59,6 +60,9 @@ class ClientBase(Generic[ChannelT]):
         on_retry: RetryHook | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        ca_certs: str | os.PathLike[str] | None = None,
+        client_cert: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self._options = build_options(
             target,
@@ -69,6 +73,9 @@ class ClientBase(Generic[ChannelT]):
             on_retry=on_retry,
             credentials=credentials,
             channel_options=tuple(channel_options),
+            ca_certs=ca_certs,
+            client_cert=client_cert,
+            client_key=client_key,
         )
         self._channel: ChannelT = self._open_channel(self._options)
         self._stub = pb_grpc.GenerationStub(self._channel)

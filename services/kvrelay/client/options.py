@@ -9,7 +9,13 @@ import grpc
 
 from kvrelay.client.retry import Deadline, RetryHook, RetryPolicy
 
-__all__ = ["API_KEY_ENV", "DEFAULT_TARGET", "ClientOptions", "resolve_api_key"]
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_TARGET",
+    "ClientOptions",
+    "resolve_api_key",
+    "tls_credentials",
+]
 
 API_KEY_ENV = "KVRELAY_API_KEY"
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -20,6 +26,37 @@ def resolve_api_key(api_key: str | None) -> str | None:
     if api_key is not None:
         return api_key or None
     return os.environ.get(API_KEY_ENV) or None
+
+
+def tls_credentials(
+    ca_certs: str | os.PathLike[str] | None = None,
+    client_cert: str | os.PathLike[str] | None = None,
+    client_key: str | os.PathLike[str] | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: `ca_certs` is the bundle the server's
+    certificate is checked against (None: the system's roots); `client_cert` and `client_key`
+    (both or neither) are presented to a server that requires client certificates (mTLS).
+
+    Raises:
+        ValueError: only one of client_cert / client_key, or a file that cannot be read.
+    """
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("client_cert and client_key go together (a certificate and its key)")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca_certs),
+        private_key=_read(client_key),
+        certificate_chain=_read(client_cert),
+    )
+
+
+def _read(path: str | os.PathLike[str] | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {os.fspath(path)!r}: {exc.strerror}") from None
 
 
 @dataclass(frozen=True)
@@ -55,9 +92,17 @@ def build_options(
     on_retry: RetryHook | None,
     credentials: grpc.ChannelCredentials | None,
     channel_options: tuple[tuple[str, object], ...],
+    ca_certs: str | os.PathLike[str] | None = None,
+    client_cert: str | os.PathLike[str] | None = None,
+    client_key: str | os.PathLike[str] | None = None,
 ) -> ClientOptions:
     """The constructor arguments of either client -> ClientOptions (max_retries overrides the
-    policy's count, so the common case needs no RetryPolicy)."""
+    policy's count, so the common case needs no RetryPolicy; the PEM file arguments become
+    TLS `credentials`)."""
+    if ca_certs is not None or client_cert is not None or client_key is not None:
+        if credentials is not None:
+            raise ValueError("pass either credentials or ca_certs / client_cert / client_key")
+        credentials = tls_credentials(ca_certs, client_cert, client_key)
     policy = retry_policy or RetryPolicy()
     if max_retries is not None:
         policy = replace(policy, max_retries=max_retries)

@@ -64,6 +64,11 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         max_retries: re-sends after UNAVAILABLE / RESOURCE_EXHAUSTED (overrides the policy's).
         retry_policy: backoff settings; `on_retry` is called before each backoff sleep.
         credentials: TLS channel credentials; None is plaintext.
+        ca_certs: PEM bundle to check the server's certificate against (a private CA); with
+            it or the next two the channel is TLS, built by `tls_credentials` (instead of
+            `credentials`). Without any: plaintext, unless `credentials` is given.
+        client_cert, client_key: PEM certificate and key presented to a server that requires
+            client certificates (`kvrelay serve --ssl-ca-certs`, mTLS).
     """
 
     # --- generation ------------------------------------------------------------------------
