@@ -6,6 +6,7 @@ and seeded), with no gap and no repeat. The survivors' pools are whole afterward
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,3 +89,47 @@ async def test_a_killed_decode_worker_hands_its_stream_on(
     for stats in ray.get([w.stats.remote() for w in survivors]):
         assert stats.num_free_blocks == stats.num_blocks
         assert stats.num_leases == 0 and stats.num_running == 0
+
+
+@pytest.fixture
+def pair(worker_ray: None, tiny_llama_dir: Path) -> Iterator[Pools]:
+    started = Pools.start(
+        str(tiny_llama_dir), transfer_backend="nixl", engine_kwargs=TINY_ENGINE_KWARGS
+    )
+    yield started
+    started.shutdown()
+
+
+async def test_a_crashed_only_decode_worker_is_replaced_and_its_stream_resumes(
+    pair: Pools,
+) -> None:
+    """One decode worker, crashed mid-stream (Ray restarts it, as after kill -9): the router
+    re-adopts the new engine, the stream waits for it and resumes with the undisturbed tokens,
+    within 30 s."""
+    router = await local_router(pair.workers, relay=RelayConfig(max_local_prefill_tokens=0))
+    refresh = asyncio.create_task(router.registry.run(interval_s=0.2))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=TOKENS)
+        undisturbed = (await complete(router, PROMPT, params)).choices[0].token_ids
+        (old,) = router.registry.healthy(Role.DECODE)
+        request = GenerateRequest(new_request_id(), PROMPT, params)
+        tokens: list[int] = []
+        killed_at = resumed_at = 0.0
+        async with asyncio.timeout(60):
+            async for chunk in router.generate(request):
+                if killed_at and not resumed_at:
+                    resumed_at = time.monotonic()
+                tokens.extend(t for c in chunk.choices for t in c.token_ids)
+                if len(tokens) >= 3 and not killed_at:
+                    ray.kill(old.handle, no_restart=False)  # a crash: Ray restarts it
+                    killed_at = time.monotonic()
+        assert tokens == undisturbed
+        assert resumed_at - killed_at < 30  # the issue's bound for a replacement to serve
+        (new,) = router.registry.healthy(Role.DECODE)
+        assert new.worker_id != old.worker_id  # a new engine in the restarted process
+        assert router.is_ready()
+        again = await complete(router, PROMPT, params)
+        assert again.choices[0].token_ids == undisturbed
+    finally:
+        refresh.cancel()
+        await router.registry.close()

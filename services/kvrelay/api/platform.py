@@ -74,6 +74,7 @@ async def run_router(
         await server.drain_and_stop()
     finally:
         router.encoder.close()
+        await registry.close()
         for task in tasks:
             task.cancel()
         with contextlib.suppress(BaseException):

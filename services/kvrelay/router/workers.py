@@ -66,8 +66,10 @@ class WorkerRegistry:
         hashes_every: int = 4,
         discover: Discover | None = None,
         dead_after_s: float = 60.0,
+        readopt_interval_s: float = 1.0,
     ) -> None:
         self._dead_after_s = dead_after_s
+        self._readopt_interval_s = readopt_interval_s
         self.workers: dict[str, WorkerState] = {}
         self.index = PrefixIndex()
         self._stats_timeout_s = stats_timeout_s
@@ -77,6 +79,9 @@ class WorkerRegistry:
         self._known_actors: set[str] = set()
         self._refreshes = 0
         self._lock = asyncio.Lock()
+        # Removed workers' actors, watched until Ray has restarted them (they join again as
+        # new engines) or they are gone for good: actor key -> its re-adoption task.
+        self._readoptions: dict[str, asyncio.Task[None]] = {}
 
     def healthy(self, role: Role) -> list[WorkerState]:
         """The workers of `role` that may take new requests (alive, engine loop running)."""
@@ -132,6 +137,46 @@ class WorkerRegistry:
         self.index.remove(worker_id)
         self._peer_metas.pop(worker_id, None)
         logger.warning("worker %s (%s) removed from routing: %s", worker_id, state.role, reason)
+        if state.handle is not None:
+            self._watch_for_restart(state.handle)
+
+    def _watch_for_restart(self, handle: Any) -> None:
+        """Re-adopt the actor once Ray has restarted it (workers are started with
+        max_restarts): it joins as a new engine, introduced to its peers like any other."""
+        key = actor_key(handle)
+        if key in self._readoptions:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a synchronous caller): discovery finds it again, if any
+        task = loop.create_task(self._readopt(handle))
+        self._readoptions[key] = task
+        task.add_done_callback(lambda _: self._readoptions.pop(key, None))
+
+    async def _readopt(self, handle: Any) -> None:
+        from ray.exceptions import ActorDiedError
+
+        while True:
+            try:
+                async with asyncio.timeout(self._stats_timeout_s):
+                    alive = await handle.health.remote()
+                if alive:
+                    await self.add(handle)
+                    return
+            except ActorDiedError:
+                logger.info("a removed worker is gone for good (no restart)")
+                return
+            except Exception:  # restarting, or not answering yet
+                logger.debug("a removed worker is not back yet", exc_info=True)
+            await asyncio.sleep(self._readopt_interval_s)
+
+    async def close(self) -> None:
+        """Stop watching removed workers (at shutdown)."""
+        tasks = list(self._readoptions.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def refresh(self) -> None:
         """Poll every worker's stats (and every few rounds its cached block hashes)."""

@@ -34,7 +34,11 @@ def spawn_worker(
     its creator (found again by name), `node_id` pins it to a node."""
     import ray
 
-    options: dict[str, Any] = {"num_cpus": num_cpus}
+    # Supervision: Ray restarts a worker whose process died (kill -9, OOM) with the same
+    # arguments, and the router's registry re-adopts it as a new engine (its old blocks and
+    # leases died with it). Calls in flight fail at once (max_task_retries 0): the router
+    # retries or migrates them, it does not wait for the restart.
+    options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": -1}
     if name is not None:
         options.update(name=name, namespace=namespace, lifetime="detached")
     if resources:
