@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -29,10 +30,11 @@ class ServerProcess:
     model: str
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    scheme: str = "http"  # https with --ssl-certfile
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{self.scheme}://127.0.0.1:{self.http_port}"
 
     @property
     def grpc_target(self) -> str:
@@ -57,9 +59,15 @@ class ServerProcess:
 
 
 def start_server(
-    log_dir: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 180.0
+    log_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 180.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> ServerProcess:
-    """`kvrelay serve ARGS` on free ports; returns once it serves (or fails with its log)."""
+    """`kvrelay serve ARGS` on free ports; returns once it serves (or fails with its log).
+    With `ssl_context` (a server started with --ssl-certfile) /health is polled over https
+    with that context: it trusts the test CA and, for mTLS, presents a client certificate."""
     http_port, grpc_port = free_port(), free_port()
     log_path = log_dir / f"kvrelay-serve-{http_port}.log"
     command = [
@@ -79,12 +87,15 @@ def start_server(
             command, stdout=log, stderr=subprocess.STDOUT, text=True, env=full_env
         )
     server = ServerProcess(process, http_port, grpc_port, "SmolLM2-135M-Instruct", log_path)
+    if ssl_context is not None:
+        server.scheme = "https"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"kvrelay serve exited with {process.returncode}:\n{server.log()}")
         try:
-            with urllib.request.urlopen(f"{server.http_url}/health", timeout=2) as response:
+            url = f"{server.http_url}/health"
+            with urllib.request.urlopen(url, timeout=2, context=ssl_context) as response:
                 if response.status == 200:
                     return server
         except (urllib.error.URLError, ConnectionError, TimeoutError):
