@@ -17,11 +17,12 @@ import grpc
 import uvicorn
 
 from kvrelay.api.body_limit import DEFAULT_MAX_BODY_BYTES
-from kvrelay.api.grpc_service import NOT_SERVING, SERVING, add_services
+from kvrelay.api.grpc_service import NOT_SERVING, SERVICE_NAME, SERVING, add_services
 from kvrelay.api.http_app import create_http_app
 from kvrelay.router.router import Router
 
 logger = logging.getLogger(__name__)
+READINESS_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class ApiServer:
         )
         self._http = uvicorn.Server(uv_config)
         self._http_task: asyncio.Task[None] | None = None
+        self._readiness: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
@@ -127,7 +129,7 @@ class ApiServer:
         else:
             self.grpc_port = self._grpc.add_secure_port(address, self._grpc_credentials)
         await self._grpc.start()
-        await self._health.set("", SERVING)
+        self._readiness = asyncio.create_task(self._mirror_readiness())
         self._http_task = asyncio.create_task(self._http.serve())
         while not self._http.started:
             if self._http_task.done():
@@ -137,6 +139,19 @@ class ApiServer:
         sockets = [s for server in self._http.servers for s in server.sockets]
         if sockets:
             self.http_port = sockets[0].getsockname()[1]
+
+    async def _mirror_readiness(self) -> None:
+        """gRPC health says what /health says, for the server ("") and for each service by
+        name: SERVING exactly while the router is ready (a decode-capable worker is up and
+        it is not draining), checked every READINESS_POLL_S."""
+        last = None
+        while True:
+            status = SERVING if self.router.is_ready() else NOT_SERVING
+            if status != last:
+                for name in ("", SERVICE_NAME):
+                    await self._health.set(name, status)
+                last = status
+            await asyncio.sleep(READINESS_POLL_S)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -153,7 +168,10 @@ class ApiServer:
         """Refuse new work, let in-flight requests finish, then stop both servers."""
         logger.warning("draining: %d requests in flight", self.router.num_active)
         self.router.start_draining()
-        await self._health.set("", NOT_SERVING)
+        if self._readiness is not None:
+            self._readiness.cancel()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, NOT_SERVING)
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self.router.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
