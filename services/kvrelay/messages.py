@@ -143,6 +143,7 @@ class WorkerInfo:
     hash_extra_keys: tuple[str, ...]
     num_blocks: int
     max_model_len: int
+    pid: int = 0  # the worker's process, for operators' logs (never sent to clients)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ class WorkerRegistry:
                 )
             state.stats = await handle.stats.remote()
             self.workers[info.engine_id] = state
-            logger.info("worker %s (%s) joined", info.engine_id, info.role)
+            logger.warning("worker %s (%s, pid %d) joined", info.engine_id, info.role, info.pid)
             return state
 
     def _decoders(self) -> list[WorkerState]:

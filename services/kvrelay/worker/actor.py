@@ -8,6 +8,7 @@ text): the router detokenizes and orchestrates prefill -> pull -> decode (router
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -85,6 +86,7 @@ class EngineWorker:
             hash_extra_keys=engine.kv_cache.extra_keys,
             num_blocks=engine.num_blocks,
             max_model_len=engine.max_total_tokens,
+            pid=os.getpid(),
         )
 
     async def release_kv(self, request_id: str) -> bool:
