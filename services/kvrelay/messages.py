@@ -63,6 +63,9 @@ class KVHandle:
     first_token_id: int  # the token the prefill sampled
     # Its logprobs as (token id, logprob) pairs, when the request asked for logprobs.
     first_token_logprobs: tuple[tuple[int, float], ...] | None = None
+    # The lease's unguessable id: with the deployment's KV secret, the one thing that lets a
+    # decode engine read these blocks, once, before the lease expires. Empty: not pullable.
+    handle_id: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)

@@ -195,3 +195,33 @@ def test_roles_reject_what_they_cannot_hand_off(make_engine: EngineFactory) -> N
         dec.add_prefilled_request("x", PROMPT, dataclasses.replace(greedy(3), n=2), handle)
     assert pre.release_kv("r")
     assert_all_free(pre, dec)
+
+
+def test_a_handle_is_an_unguessable_single_use_capability(make_engine: EngineFactory) -> None:
+    """What the KV server asks the hand-off (claim_pull): the lease's own blocks, once, by the
+    bound decode engine, before expiry; a refusal spends nothing."""
+    pre = make_engine(role="prefill")
+    handles = prefill(pre, {"a": PROMPT, "b": list(range(40, 49)), "c": [7] * 9}, greedy(2))
+    a, b, c = handles["a"], handles["b"], handles["c"]
+    assert len({a.handle_id, b.handle_id, c.handle_id}) == 3
+    assert all(len(h.handle_id) >= 32 for h in (a, b, c))  # 192 random bits, url-safe
+    assert a.handle_id not in repr(a)  # a capability stays out of logs
+    handoff = pre.handoff
+    assert handoff.bind_handle(a.handle_id, "D1")
+    assert not handoff.bind_handle(a.handle_id, "D2")  # a binding never changes
+    assert not handoff.bind_handle("guess", "D1")
+    blocks = list(a.block_ids)
+    assert not handoff.claim_pull(a.handle_id, "D2", blocks)  # another engine's handle
+    assert not handoff.claim_pull(a.handle_id, "D1", [*blocks, b.block_ids[0]])  # b's block
+    assert not handoff.claim_pull("guess", "D1", blocks)
+    assert handoff.claim_pull(a.handle_id, "D1", blocks[1:])  # a prefix-cached head skipped
+    assert not handoff.claim_pull(a.handle_id, "D1", blocks)  # spent: a replay
+    # Unbound (a router that names no decode engine): any one engine, once.
+    assert handoff.claim_pull(b.handle_id, "D9", list(b.block_ids))
+    assert not handoff.claim_pull(b.handle_id, "D9", list(b.block_ids))
+    # Released or expired: nothing to claim. A claimed lease still holds its blocks.
+    assert pre.release_kv("a") and pre.release_kv("b")
+    assert not handoff.claim_pull(a.handle_id, "D1", blocks)
+    assert pre.expire_leases(now=time.monotonic() + pre.config.kv_lease_seconds + 1) == ["c"]
+    assert not handoff.claim_pull(c.handle_id, "D1", list(c.block_ids))
+    assert_all_free(pre)

@@ -4,7 +4,9 @@ It changes requests only through the scheduler; it never runs the model nor emit
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager, blocks_needed
@@ -18,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 RECOMPUTE = "recompute"  # kv_transfer_failure: recompute an unusable prompt KV here
 FAIL = "fail"  # kv_transfer_failure: finish the request aborted instead
+HANDLE_ID_BYTES = 24  # 192 random bits: a handle id is a capability, so it must not be guessed
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ class KVHandoff:
         block_size = self.kv_cache.block_size
         table = self.kv_cache.block_table(rid)[: blocks_needed(num_tokens, block_size)]
         logprobs = request.output_logprobs[0].items() if request.output_logprobs else None
-        self._leases.grant(rid, time.monotonic() + self.lease_seconds)
+        handle_id = secrets.token_urlsafe(HANDLE_ID_BYTES)
+        self._leases.grant(rid, time.monotonic() + self.lease_seconds, handle_id, table)
         return KVHandle(
             engine_id=self.engine_id,
             epoch=self.epoch,
@@ -115,7 +119,24 @@ class KVHandoff:
             block_hashes=tuple(self.kv_cache.block_hashes(request, num_tokens // block_size)),
             first_token_id=request.output_token_ids[0],
             first_token_logprobs=tuple(logprobs) if logprobs is not None else None,
+            handle_id=handle_id,
         )
+
+    def bind_handle(self, handle_id: str, decode_engine_id: str) -> bool:
+        """Prefill role: only the engine `decode_engine_id` (the router's pick) may pull
+        `handle_id`. False when no lease holds it, or it is bound to another engine.
+        Thread-safe."""
+        return self._leases.bind(handle_id, decode_engine_id)
+
+    def claim_pull(self, handle_id: str, requester: str, block_ids: Sequence[int]) -> bool:
+        """Prefill role: whether the engine `requester`, whose credential the KV server has
+        checked, may read `block_ids` under `handle_id` now: a held, unexpired, unspent lease
+        bound to it (or not yet bound) that holds those blocks. Spends the handle when it may.
+        Why not goes to this worker's log only. Thread-safe (a KV server thread calls it)."""
+        refusal = self._leases.claim(handle_id, requester, block_ids, time.monotonic())
+        if refusal is not None:
+            logger.warning("KV pull by engine %r refused: %s", requester, refusal)
+        return refusal is None
 
     def release(self, request_id: str) -> bool:
         """Free a leased request's blocks. False when no lease was held (already released,
