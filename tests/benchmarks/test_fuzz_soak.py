@@ -27,7 +27,7 @@ def test_fuzz_soak_help() -> None:
 
 
 def value(report: str, label: str) -> str:
-    match = re.search(rf"^{re.escape(label)}\s+(.+)$", report, re.MULTILINE)
+    match = re.search(rf"^\s*{re.escape(label)}\s+(.+)$", report, re.MULTILINE)
     assert match, f"{label!r} missing from the report:\n{report}"
     return match.group(1).strip()
 
