@@ -442,21 +442,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Mixed well-behaved and hostile traffic against kvrelay serve (issue 12): "
         "fails (exit 1) on any 5xx, gRPC UNKNOWN/INTERNAL, broken connection or victim "
         "stream that differs from its first run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--minutes", type=float, default=10.0, help="total duration, both phases")
-    add("--concurrency", type=int, default=4, help="well-behaved streaming clients")
+    add("--minutes", type=float, default=10.0, help="total duration, both phases (default 10)")
+    add("--concurrency", type=int, default=4, help="well-behaved streaming clients (default 4)")
     add("--hostile-concurrency", type=int, default=None,
         help="hostile clients in phase 2 (default: --concurrency)")  # fmt: skip
     add("--clean-fraction", type=float, default=0.2,
-        help="share of the time without hostile traffic (phase 1, the ITL reference)")  # fmt: skip
+        help="share of the time without hostile traffic: phase 1, the ITL reference "
+        "(default 0.2)")  # fmt: skip
     add("--url", default=None, help="a running server's HTTP URL (default: start one here)")
     add("--grpc-target", default=None,
         help="its gRPC host:port (with --url; without it, no gRPC traffic)")  # fmt: skip
     add("--serve-arg", action="append", default=[],
         help="extra `kvrelay serve` argument (repeatable): --serve-arg=--colocated")  # fmt: skip
-    add("--seed", type=int, default=0, help="seed of the traffic generators")
+    add("--seed", type=int, default=0, help="seed of the traffic generators (default 0)")
     add("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if not 0 < args.clean_fraction < 1:
