@@ -85,3 +85,13 @@ def test_a_body_over_the_limit_is_refused_before_the_app_sees_it(port: int, chun
     }
     assert SEEN == []
     assert post(port, b"y" * 10) == (200, {"bytes": 10})  # the server goes on serving
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "ab\xed\xa0\x80c"}', b'{"prompt": "\xff"}'])
+def test_a_body_that_is_not_utf8_is_refused_as_a_whole(port: int, raw: bytes) -> None:
+    SEEN.clear()
+    status, body = post(port, raw)
+    assert status == 400
+    assert body["error"]["param"] is None
+    assert "not valid UTF-8" in body["error"]["message"]
+    assert SEEN == []

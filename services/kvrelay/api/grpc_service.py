@@ -96,9 +96,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
     if isinstance(exc, OverloadedError):
         context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(exc.retry_after_s)))),))
     code = grpc.StatusCode[exc.status.grpc_name]
-    message = (
-        f"{exc.param}: {exc.message}" if exc.param and exc.param not in exc.message else exc.message
-    )
+    # Details start with the field at fault, as a client matching on them expects.
+    named = exc.param is None or exc.message.startswith(exc.param)
+    message = exc.message if named else f"{exc.param}: {exc.message}"
     await context.abort(code, message)
 
 
