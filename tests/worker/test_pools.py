@@ -106,3 +106,31 @@ def test_failed_pull_recomputes_the_prompt(pools: Pools, make_engine: EngineFact
     assert tokens == colocated(make_engine, {"gone": prompt}, 6)["gone"]
     assert ray.get(decode.stats.remote()).kv_pull_fallbacks == before + 1
     assert_no_leaks(pools)
+
+
+def test_a_handle_bound_to_another_decode_engine_is_refused(
+    pools: Pools, make_engine: EngineFactory
+) -> None:
+    """The pull is bound to the decode engine the router named: a handle the prefill worker
+    bound to another engine is refused (NIXL cannot refuse a one-sided READ, so gRPC only),
+    and the decode worker recomputes; bound to it, the KV travels. A decode worker serves no
+    KV: it publishes no metadata."""
+    prefill, decode = pools.prefill_workers[0], pools.decode_workers[0]
+    with pytest.raises(ray.exceptions.RayTaskError, match="only a prefill worker"):
+        ray.get(decode.kv_metadata.remote())
+    decode_id = ray.get(decode.describe.remote()).engine_id
+    # Prompts no other test sends: a prefix-cache hit at the decode worker would pull nothing.
+    prompts = {"other": [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 20], "mine": [50, 40, 30, 20, 10, 1, 2, 3]}
+    grpc_only = ray.get(prefill.kv_metadata.remote()).backend == "grpc"
+    for rid, bound_to in (("other", "another-decode-engine"), ("mine", decode_id)):
+        prompt, expected = prompts[rid], colocated(make_engine, {rid: prompts[rid]}, 4)[rid]
+        first = ray.get(prefill.prefill.remote(rid, prompt, greedy(4), bound_to))
+        before = ray.get(decode.stats.remote())
+        tokens, _ = streamed_tokens(decode, rid, prompt, greedy(4), first.kv_handle)
+        assert ray.get(prefill.release_kv.remote(rid))
+        assert tokens == expected
+        after = ray.get(decode.stats.remote())
+        refused = rid == "other" and grpc_only
+        assert after.kv_pull_fallbacks == before.kv_pull_fallbacks + refused
+        assert (after.kv_bytes_pulled > before.kv_bytes_pulled) == (not refused)
+    assert_no_leaks(pools)

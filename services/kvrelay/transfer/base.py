@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
+from kvrelay.transfer.auth import ClaimPull
 
 
 class TransferError(RuntimeError):
@@ -59,6 +60,11 @@ class KVConnector(ABC):
             StalePeerError: `handle.engine_id` / `handle.epoch` is not a known peer's.
             TransferError: the transfer failed or timed out.
         """
+
+    def authorize_pulls(self, claim: ClaimPull) -> None:  # noqa: B027 - optional hook
+        """Serve only the pulls `claim` allows. A transport that sees each pull (gRPC) asks
+        it; a one-sided one (NIXL READ) cannot, and relies on its peer metadata reaching the
+        platform's workers only (through Ray), never a listener."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release transport resources."""

@@ -1,5 +1,6 @@
 """The gRPC fallback connector: a decode worker streams a prefill worker's KV block bytes over
-`kvrelay.v1.KVTransfer/PullBlocks` and writes them straight into its own blocks (no pickle)."""
+`kvrelay.v1.KVTransfer/PullBlocks` and writes them straight into its own blocks (no pickle).
+Every pull carries a proof made with the deployment's KV secret (transfer/auth.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
+from kvrelay.transfer.auth import ClaimPull, KVSecret
 from kvrelay.transfer.base import (
     KVConnector,
     StalePeerError,
@@ -47,7 +49,8 @@ class _Peer:
 
 class GrpcConnector(KVConnector):
     """KV connector over gRPC. `register` starts this worker's KVTransfer server (unless
-    `serve=False`, for a worker nobody pulls from).
+    `serve=False`, for a worker nobody pulls from); it serves only pulls that `authorize_pulls`
+    allows, from pullers holding `secret`. Without a secret nothing is served or pulled.
 
     Thread safety: `pull` may run on any thread, several at once (one channel per peer, which
     gRPC shares safely); the server reads blocks on its own thread pool while the engine keeps
@@ -64,10 +67,11 @@ class GrpcConnector(KVConnector):
         max_workers: int = 4,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = 30.0,
+        secret: KVSecret | None = None,
     ) -> None:
         """`host`/`port`: where the server binds (port 0: ephemeral); `advertise_host`: what
         peers dial, when it differs from `host` (e.g. the pod IP for a 0.0.0.0 bind);
-        `timeout_s` bounds a pull."""
+        `timeout_s` bounds a pull; `secret`: the deployment's KV secret."""
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 1024}]")
         if timeout_s <= 0:
@@ -77,7 +81,9 @@ class GrpcConnector(KVConnector):
         self.timeout_s = timeout_s
         self._max_workers = max_workers
         self._chunk_bytes = chunk_bytes
+        self._secret = secret
         self._server: grpc.Server | None = None
+        self._servicer: KVTransferServicer | None = None
         self._rows: torch.Tensor | None = None  # our KV tensor as [num_blocks, block_bytes]
         self._rows_np: np.ndarray | None = None  # the same memory, on CPU only
         self._engine_id = ""
@@ -93,10 +99,18 @@ class GrpcConnector(KVConnector):
         self._rows_np = None if kv_tensor.is_cuda else self._rows.numpy()
         self._engine_id, self._epoch = engine_id, epoch
         if self.serve:
-            servicer = KVTransferServicer(kv_tensor, engine_id, epoch, self._chunk_bytes)
-            self._server, self.port = start_server(
-                servicer, self.host, self.port, self._max_workers
+            self._servicer = KVTransferServicer(
+                kv_tensor, engine_id, epoch, self._chunk_bytes, self._secret
             )
+            self._server, self.port = start_server(
+                self._servicer, self.host, self.port, self._max_workers
+            )
+
+    def authorize_pulls(self, claim: ClaimPull) -> None:
+        """Serve only the pulls `claim` allows (the engine's lease table decides)."""
+        if self._servicer is None:
+            raise RuntimeError("authorize_pulls needs register() on a serving connector")
+        self._servicer.claim = claim
 
     def metadata(self) -> PeerMetadata:
         if self._rows is None or self._server is None:
@@ -149,13 +163,7 @@ class GrpcConnector(KVConnector):
         check_block_ids(plan.local_block_ids, rows.shape[0], "local")
         if not plan.local_block_ids:
             return
-        request = pb.PullBlocksRequest(
-            engine_id=handle.engine_id,
-            epoch=handle.epoch,
-            request_id=plan.request_id,
-            block_ids=plan.remote_block_ids,
-            block_bytes=rows.shape[1],
-        )
+        request = self._request(handle, plan, rows.shape[1])
         what = f"pull of {plan.request_id!r} from {handle.engine_id} at {peer.address}"
         expected = len(plan.local_block_ids) * rows.shape[1]
         received = 0
@@ -169,6 +177,11 @@ class GrpcConnector(KVConnector):
             code, details = exc.code(), exc.details()
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise StalePeerError(f"{what}: {details}; recompute the prompt") from None
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                raise TransferError(
+                    f"{what}: {details} (the prefill worker's log says why: a missing or wrong "
+                    "KV secret, or a spent, expired or someone else's handle)"
+                ) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TransferError(f"{what}: timed out after {self.timeout_s} s") from None
             raise TransferError(f"{what}: {code.name}: {details}") from None
@@ -184,6 +197,29 @@ class GrpcConnector(KVConnector):
         if self._server is not None:
             self._server.stop(grace=None)
             self._server = None
+
+    def _request(self, handle: KVHandle, plan: PullPlan, block_bytes: int) -> pb.PullBlocksRequest:
+        """The request for `plan`, with its proof (TransferError when no secret is set)."""
+        if self._secret is None:
+            raise TransferError("this worker has no KV secret: it cannot pull KV blocks")
+        proof = self._secret.pull_proof(
+            handle.engine_id,
+            handle.epoch,
+            handle.handle_id,
+            self._engine_id,
+            plan.remote_block_ids,
+            block_bytes,
+        )
+        return pb.PullBlocksRequest(
+            engine_id=handle.engine_id,
+            epoch=handle.epoch,
+            request_id=plan.request_id,
+            block_ids=plan.remote_block_ids,
+            block_bytes=block_bytes,
+            handle_id=handle.handle_id,
+            requester_engine_id=self._engine_id,
+            proof=proof,
+        )
 
     def _write(self, local_block_ids: tuple[int, ...], offset: int, data: bytes) -> None:
         """Copy `data`, at `offset` of the concatenated pulled blocks, into our blocks."""

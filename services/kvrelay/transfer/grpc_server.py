@@ -1,5 +1,5 @@
-"""The gRPC fallback's serving side: streams raw bytes of a worker's KV blocks to pullers.
-Reads only; never writes the KV tensor, never unpickles anything."""
+"""The gRPC fallback's serving side: streams raw bytes of a worker's leased KV blocks to
+authenticated pullers. Reads only; never writes the KV tensor, never unpickles anything."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from concurrent import futures
 import grpc
 import torch
 
+from kvrelay.transfer.auth import NOT_AUTHORIZED, ClaimPull, KVSecret
 from kvrelay.transfer.kv_regions import block_byte_rows, block_bytes
 from kvrelay.transfer.runs import merge_runs
 from kvrelay.v1 import kv_transfer_pb2 as pb
@@ -22,40 +23,48 @@ MAX_MESSAGE_BYTES = 16 << 20  # both sides allow more, so a larger chunk_bytes s
 
 
 class KVTransferServicer(pb_grpc.KVTransferServicer):
-    """Serves `PullBlocks` from one registered KV tensor of one engine life."""
+    """Serves `PullBlocks` from one registered KV tensor of one engine life, to pullers that
+    prove they hold the deployment's secret and name a lease `claim` grants.
+
+    Until `claim` is set (the worker attaches its engine's lease table) every pull is refused.
+    """
 
     def __init__(
-        self, kv_tensor: torch.Tensor, engine_id: str, epoch: int, chunk_bytes: int
+        self,
+        kv_tensor: torch.Tensor,
+        engine_id: str,
+        epoch: int,
+        chunk_bytes: int,
+        secret: KVSecret | None,
     ) -> None:
         self._rows = block_byte_rows(kv_tensor)  # [num_blocks, block_bytes] uint8
         self._block_bytes = block_bytes(kv_tensor)
         self._engine_id = engine_id
         self._epoch = epoch
         self._chunk_bytes = chunk_bytes
+        self._secret = secret
+        self.claim: ClaimPull | None = None
 
     def PullBlocks(  # the generated servicer names it so
         self, request: pb.PullBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockChunk]:
-        if request.engine_id != self._engine_id or request.epoch != self._epoch:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this server is {self._engine_id} epoch {self._epoch}, not "
-                f"{request.engine_id} epoch {request.epoch}: the handle is stale",
-            )
-        if request.block_bytes != self._block_bytes:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"blocks here are {self._block_bytes} bytes, the puller expects "
-                f"{request.block_bytes}: both pools must serve the same model and block size",
-            )
-        num_blocks = self._rows.shape[0]
-        bad = [b for b in request.block_ids if b >= num_blocks]
-        if bad:
-            context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"block ids {bad[:8]} are outside [0, {num_blocks})",
-            )
         ids = list(request.block_ids)
+        refusal = self._refusal(request, ids)
+        if refusal is not None:
+            code, reason, answer = refusal
+            logger.warning(
+                "KV pull refused (%s) from %s: engine %r asked %s epoch %d for %d blocks of "
+                "request %r under handle %s...",
+                reason,
+                context.peer(),
+                request.requester_engine_id,
+                request.engine_id,
+                request.epoch,
+                len(ids),
+                request.request_id,
+                request.handle_id[:6],  # enough to find it in the logs, too little to use
+            )
+            context.abort(code, answer)
         offset = 0
         # Runs of consecutive ids are contiguous bytes: chunk them without gathering blocks.
         for run in merge_runs(ids, range(len(ids))):
@@ -67,6 +76,44 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 data = view[start : start + self._chunk_bytes].tobytes()
                 yield pb.BlockChunk(offset=offset, data=data)
                 offset += len(data)
+
+    def _refusal(
+        self, request: pb.PullBlocksRequest, ids: list[int]
+    ) -> tuple[grpc.StatusCode, str, str] | None:
+        """None when the pull may go ahead (its handle is then spent); else the status code,
+        the reason for the log, and the answer for the caller.
+
+        The credential is checked first and alone decides what an outsider hears: one text,
+        whatever else is wrong, so no answer tells engine ids, epochs, block sizes or counts,
+        or whether a handle exists, to anyone without the secret.
+        """
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        if self._secret is None:
+            return denied, "this server has no KV secret", NOT_AUTHORIZED
+        expected = self._secret.pull_proof(
+            request.engine_id,
+            request.epoch,
+            request.handle_id,
+            request.requester_engine_id,
+            ids,
+            request.block_bytes,
+        )
+        if not self._secret.verify(request.proof, expected):
+            return denied, "no valid credential", NOT_AUTHORIZED
+        if request.engine_id != self._engine_id or request.epoch != self._epoch:
+            stale = "the KV handle is from another life of this worker: recompute the prompt"
+            return grpc.StatusCode.FAILED_PRECONDITION, "a stale handle", stale
+        if request.block_bytes != self._block_bytes:
+            layout = "the KV block layouts differ: both pools must serve one model, one block size"
+            return grpc.StatusCode.INVALID_ARGUMENT, "another block size", layout
+        if any(b >= self._rows.shape[0] for b in ids):
+            return denied, "block ids out of range", NOT_AUTHORIZED
+        claim = self.claim
+        if claim is None:
+            return denied, "no lease table attached yet", NOT_AUTHORIZED
+        if not claim(request.handle_id, request.requester_engine_id, ids):
+            return denied, "the lease table refused the handle", NOT_AUTHORIZED
+        return None
 
 
 def start_server(

@@ -1,9 +1,12 @@
 """The NIXL connector: a decode worker READs a prefill worker's KV blocks one-sidedly over UCX
-(DRAM on CPU, VRAM on GPU). Peer info travels as protobuf, never pickle."""
+(DRAM on CPU, VRAM on GPU). Peer info travels as protobuf, never pickle, and only over the
+platform's control path (Ray): no NIXL listener serves it, and UCX listens on the configured
+network devices only (loopback by default)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -20,6 +23,7 @@ from kvrelay.transfer.base import (
     check_peer_epoch,
 )
 from kvrelay.transfer.kv_regions import block_bytes, check_kv_tensor, check_plan
+from kvrelay.transfer.network import UCX_NET_DEVICES_ENV
 from kvrelay.transfer.nixl_api import create_agent, load_nixl_api
 from kvrelay.transfer.runs import merge_runs
 from kvrelay.v1 import kv_transfer_pb2 as pb
@@ -62,12 +66,17 @@ class NixlConnector(KVConnector):
     (reads are one-sided, served by UCX), so its engine may keep writing other blocks.
     """
 
-    def __init__(self, *, timeout_s: float = 30.0, num_threads: int = 0) -> None:
-        """`timeout_s` bounds one pull; `num_threads` is UCX's worker count (0: its default)."""
+    def __init__(
+        self, *, timeout_s: float = 30.0, num_threads: int = 0, net_devices: str | None = "lo"
+    ) -> None:
+        """`timeout_s` bounds one pull; `num_threads` is UCX's worker count (0: its default);
+        `net_devices`: the network devices UCX may listen on (UCX_NET_DEVICES syntax, e.g.
+        "lo" or "eth0"; None leaves UCX's own setting, which is every interface)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self._num_threads = num_threads
+        self._net_devices = net_devices
         self._agent: Any = None
         self._agent_name = ""
         self._reg_descs: Any = None
@@ -85,8 +94,15 @@ class NixlConnector(KVConnector):
         api = load_nixl_api()
         # The name is unique per life, so a restarted peer never collides with its old self.
         self._agent_name = f"kvrelay-{engine_id}-e{epoch}-{uuid.uuid4().hex[:8]}"
+        if self._net_devices is not None:
+            # UCX reads its settings from the environment when NIXL creates the backend; NIXL's
+            # own "ucx_devices" parameter left UCX listening on the external address too
+            # (measured with `ss -ltnp`), this does not.
+            os.environ[UCX_NET_DEVICES_ENV] = self._net_devices
         config = api.nixl_agent_config(
             enable_prog_thread=True,
+            # No metadata listener: peers get our metadata from the router, over Ray, only.
+            enable_listen_thread=False,
             backends=["UCX"],
             num_threads=self._num_threads,
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/v1/kv_transfer.proto\x12\nkvrelay.v1\"q\n\x11PullBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\"*\n\nBlockChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9e\x01\n\x0cNixlPeerInfo\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x10\n\x08mem_type\x18\x07 \x01(\t2S\n\nKVTransfer\x12\x45\n\nPullBlocks\x12\x1d.kvrelay.v1.PullBlocksRequest\x1a\x16.kvrelay.v1.BlockChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/v1/kv_transfer.proto\x12\nkvrelay.v1\"\xb0\x01\n\x11PullBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\thandle_id\x18\x06 \x01(\t\x12\x1b\n\x13requester_engine_id\x18\x07 \x01(\t\x12\r\n\x05proof\x18\x08 \x01(\x0c\"*\n\nBlockChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9e\x01\n\x0cNixlPeerInfo\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x10\n\x08mem_type\x18\x07 \x01(\t2S\n\nKVTransfer\x12\x45\n\nPullBlocks\x12\x1d.kvrelay.v1.PullBlocksRequest\x1a\x16.kvrelay.v1.BlockChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=44
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=157
-  _globals['_BLOCKCHUNK']._serialized_start=159
-  _globals['_BLOCKCHUNK']._serialized_end=201
-  _globals['_NIXLPEERINFO']._serialized_start=204
-  _globals['_NIXLPEERINFO']._serialized_end=362
-  _globals['_KVTRANSFER']._serialized_start=364
-  _globals['_KVTRANSFER']._serialized_end=447
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=45
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=221
+  _globals['_BLOCKCHUNK']._serialized_start=223
+  _globals['_BLOCKCHUNK']._serialized_end=265
+  _globals['_NIXLPEERINFO']._serialized_start=268
+  _globals['_NIXLPEERINFO']._serialized_end=426
+  _globals['_KVTRANSFER']._serialized_start=428
+  _globals['_KVTRANSFER']._serialized_end=511
 # @@protoc_insertion_point(module_scope)

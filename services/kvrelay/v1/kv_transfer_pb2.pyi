@@ -7,18 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("engine_id", "epoch", "request_id", "block_ids", "block_bytes")
+    __slots__ = ("engine_id", "epoch", "request_id", "block_ids", "block_bytes", "handle_id", "requester_engine_id", "proof")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    handle_id: str
+    requester_engine_id: str
+    proof: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., handle_id: _Optional[str] = ..., requester_engine_id: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class KVTransferStub:
-    """Served by every worker that holds KV blocks others may pull (the prefill pool).
+    """Served by every prefill worker (whose leased KV blocks decode workers pull), on loopback in a
+    local `serve` and on the configured interface in a cluster.
     """
 
     def __init__(self, channel):
@@ -43,13 +44,17 @@ class KVTransferStub:
 
 
 class KVTransferServicer:
-    """Served by every worker that holds KV blocks others may pull (the prefill pool).
+    """Served by every prefill worker (whose leased KV blocks decode workers pull), on loopback in a
+    local `serve` and on the configured interface in a cluster.
     """
 
     def PullBlocks(self, request, context):
         """Streams the bytes of `block_ids`, in the order given, as consecutive chunks.
+        Every pull must carry a valid `proof` and name a lease this server holds (see below).
+        PERMISSION_DENIED "not authorized": any failed check (credential, handle, binding,
+        expiry, replay, blocks); what was wrong goes to the server's log, never to the caller.
+        Only a caller whose proof is valid hears more:
         FAILED_PRECONDITION: engine_id / epoch name another life of the server (a stale handle).
-        OUT_OF_RANGE: a block id outside the server's KV tensor.
         INVALID_ARGUMENT: block_bytes differs from the server's (the two KV layouts disagree).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -73,7 +78,8 @@ def add_KVTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
-    """Served by every worker that holds KV blocks others may pull (the prefill pool).
+    """Served by every prefill worker (whose leased KV blocks decode workers pull), on loopback in a
+    local `serve` and on the configured interface in a cluster.
     """
 
     @staticmethod

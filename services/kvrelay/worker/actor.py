@@ -13,11 +13,14 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kvrelay.engine.args import EngineArgs
+from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import EngineStats, KVHandle, OutputDelta, PeerMetadata, Role, WorkerInfo
+from kvrelay.transfer.auth import KVSecret, resolve_kv_secret
 from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
+from kvrelay.transfer.network import KVNetwork
 from kvrelay.worker.deltas import DeltaTracker
 from kvrelay.worker.engine_builder import build_worker_engine
 from kvrelay.worker.engine_loop import EngineLoop
@@ -33,28 +36,42 @@ class EngineWorker:
         transfer_backend: str = "auto",
         num_threads: int = 1,
         connector_options: dict[str, Any] | None = None,
+        kv_secret: KVSecret | None = None,
     ) -> None:
+        """`kv_secret`: the deployment's KV transfer secret (default: from the environment,
+        $KVRELAY_KV_SECRET or $KVRELAY_KV_SECRET_FILE); a prefill or decode worker refuses to
+        start without one."""
         args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs(**engine_args)
         self.role = Role(role)
         args = dataclasses.replace(args, role=self.role.value, num_threads=num_threads)
         self.engine = build_worker_engine(args)
         self.connector: KVConnector | None = None
         if self.role.has_connector:
-            self.connector = create_connector(transfer_backend, **(connector_options or {}))
-            self.connector.register(self.engine.kv_tensor, self.engine.engine_id, self.engine.epoch)
+            self.connector = _connect(
+                self.engine, self.role, transfer_backend, kv_secret, connector_options or {}
+            )
         self.loop = EngineLoop(self.engine, self.connector)
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        decode_engine_id: str | None = None,
     ) -> OutputDelta:
         """Prefill role: returns once the first token is out, as one delta whose `kv_handle`
         says where the prompt's KV waits for a decode worker (no handle when the request
-        already finished at its first token)."""
+        already finished at its first token). With `decode_engine_id` (the router's pick),
+        only that engine may pull it; without, any one of the deployment's engines, once."""
         last: RequestOutput | None = None
         async for output in self.loop.outputs(request_id, prompt_token_ids, params):
             last = output
         assert last is not None
-        return DeltaTracker().delta(last)
+        delta = DeltaTracker().delta(last)
+        # Bound before anyone outside this worker learns the handle's id, so never unbound.
+        if delta.kv_handle is not None and decode_engine_id is not None:
+            self.engine.handoff.bind_handle(delta.kv_handle.handle_id, decode_engine_id)
+        return delta
 
     async def generate(
         self,
@@ -112,8 +129,10 @@ class EngineWorker:
         return await self.loop.call(lambda engine: engine.cached_block_hashes())
 
     def kv_metadata(self) -> PeerMetadata:
-        if self.connector is None:
-            raise RuntimeError("a colocated worker has no KV connector")
+        """Prefill role: what decode workers need to pull from here (the router hands it to
+        them over Ray; it is never served on a port)."""
+        if self.connector is None or self.role is not Role.PREFILL:
+            raise RuntimeError("only a prefill worker serves its KV blocks")
         return self.connector.metadata()
 
     def add_peer(self, meta: PeerMetadata) -> None:
@@ -128,3 +147,26 @@ class EngineWorker:
         self.loop.shutdown()
         if self.connector is not None:
             self.connector.close()
+
+
+def _connect(
+    engine: Engine,
+    role: Role,
+    backend: str,
+    secret: KVSecret | None,
+    options: dict[str, Any],
+) -> KVConnector:
+    """The worker's registered KV connector: a prefill worker serves the pulls its lease
+    table allows, to holders of the secret; a decode worker serves nothing (no KV server)."""
+    serves = role is Role.PREFILL
+    connector = create_connector(
+        backend,
+        secret=resolve_kv_secret(secret),
+        network=KVNetwork.from_env(),
+        serve=serves,
+        **options,
+    )
+    connector.register(engine.kv_tensor, engine.engine_id, engine.epoch)
+    if serves:
+        connector.authorize_pulls(engine.handoff.claim_pull)
+    return connector

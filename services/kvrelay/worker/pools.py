@@ -13,6 +13,7 @@ from typing import Any
 
 from kvrelay.engine.args import EngineArgs
 from kvrelay.messages import EngineStats, Role
+from kvrelay.transfer.auth import KVSecret
 from kvrelay.worker.actor import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -29,9 +30,11 @@ def spawn_worker(
     namespace: str | None = None,
     resources: dict[str, float] | None = None,
     node_id: str | None = None,
+    kv_secret: KVSecret | None = None,
 ) -> Any:
     """Start one EngineWorker actor; a `name` makes it a detached, named actor that outlives
-    its creator (found again by name), `node_id` pins it to a node."""
+    its creator (found again by name), `node_id` pins it to a node. `kv_secret`: the
+    deployment's KV secret (None: the worker reads it from its own environment)."""
     import ray
 
     # Supervision: Ray restarts a worker whose process died (kill -9, OOM) with the same
@@ -48,7 +51,11 @@ def spawn_worker(
 
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     actor = ray.remote(EngineWorker).options(**options)
-    return actor.remote(engine_args, Role(role).value, transfer_backend, num_threads)
+    # The secret goes as an argument, not a runtime_env variable: Ray's state API and
+    # dashboard list an actor's runtime_env, not its arguments.
+    return actor.remote(
+        engine_args, Role(role).value, transfer_backend, num_threads, None, kv_secret
+    )
 
 
 class Pools:
@@ -86,10 +93,12 @@ class Pools:
         address: str | None = None,
         num_cpus_per_worker: float = 0,
         num_threads: int = 1,
+        kv_secret: KVSecret | None = None,
     ) -> Pools:
         """Start Ray (unless it is up; `address` joins an existing cluster) and the workers,
         and wait until every one is healthy. `colocated` starts `num_decode` colocated
-        ("both") workers and no prefill pool."""
+        ("both") workers and no prefill pool. `kv_secret`: the KV transfer secret all these
+        workers share (default: the environment's, else a new random one for this deployment)."""
         import ray
 
         owns_ray = False
@@ -102,11 +111,17 @@ class Pools:
                 ray.init(address=address)
             owns_ray = True
         args = dataclasses.asdict(EngineArgs.from_kwargs(model, dict(engine_kwargs or {})))
+        secret = kv_secret or KVSecret.from_env() or KVSecret.generate()
 
         def spawn(role: Role, count: int) -> list[Any]:
             return [
                 spawn_worker(
-                    args, role, transfer_backend, num_threads, num_cpus=num_cpus_per_worker
+                    args,
+                    role,
+                    transfer_backend,
+                    num_threads,
+                    num_cpus=num_cpus_per_worker,
+                    kv_secret=secret,
                 )
                 for _ in range(count)
             ]

@@ -1,0 +1,77 @@
+"""Where a worker's KV transports listen: loopback unless configured (a local `serve`), the
+configured interface in a cluster. Read from the environment, which Kubernetes sets per pod.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+KV_HOST_ENV = "KVRELAY_KV_HOST"  # the address the KV servers bind (a pod: its IP)
+KV_ADVERTISE_HOST_ENV = "KVRELAY_KV_ADVERTISE_HOST"  # what peers dial, if not KV_HOST
+UCX_NET_DEVICES_ENV = "UCX_NET_DEVICES"  # UCX's own setting; when set, it is kept as is
+LOOPBACK = "127.0.0.1"
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+@dataclass(frozen=True)
+class KVNetwork:
+    """`host`: the gRPC KV server's bind address; `advertise_host`: what peers dial (default
+    `host`); `ucx_net_devices`: the network devices UCX (NIXL) may listen on, None for all."""
+
+    host: str = LOOPBACK
+    advertise_host: str | None = None
+    ucx_net_devices: str | None = "lo"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KVNetwork:
+        """$KVRELAY_KV_HOST (default loopback) and $KVRELAY_KV_ADVERTISE_HOST; UCX's devices
+        from $UCX_NET_DEVICES, else the interface that holds the KV host's address."""
+        env = os.environ if environ is None else environ
+        host = env.get(KV_HOST_ENV, "").strip() or LOOPBACK
+        advertise = env.get(KV_ADVERTISE_HOST_ENV, "").strip() or None
+        devices = env.get(UCX_NET_DEVICES_ENV, "").strip() or interface_of(host)
+        if devices is None:
+            logger.warning(
+                "KV host %s is on no interface found here: UCX will listen on every interface; "
+                "set %s to the one it should use",
+                host,
+                UCX_NET_DEVICES_ENV,
+            )
+        return cls(host, advertise, devices)
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the local interface holding `host`'s IPv4 address ("lo" for loopback);
+    None when none does (or `host` is a wildcard such as 0.0.0.0)."""
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+    if address.is_loopback:
+        return "lo"
+    if address.is_unspecified:
+        return None
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == str(address):
+            return name
+    return None
+
+
+def _ipv4_of(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(
+                sock.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15])
+            )
+        except OSError:  # an interface without an IPv4 address
+            return None
+    return socket.inet_ntoa(packed[20:24])
