@@ -140,6 +140,15 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     )
     add("--worker-threads", type=int, default=None, help="torch threads per worker (default: "
         "the machine's cores shared among the workers)")  # fmt: skip
+    add(
+        "--kv-secret-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the secret every KV pull between workers is authenticated with "
+        "(e.g. a mounted Kubernetes Secret; the same for all workers of a deployment). "
+        "Default: $KVRELAY_KV_SECRET or $KVRELAY_KV_SECRET_FILE; `serve` makes a random one "
+        "when none is set. A router's --manage-workers workers read their node's environment",
+    )
 
 
 def build_serve_parsers(commands: Any) -> None:
@@ -243,6 +252,13 @@ def _router_options(ns: argparse.Namespace) -> Any:
     )
 
 
+def _kv_secret(ns: argparse.Namespace) -> Any:
+    """The KV secret from --kv-secret-file, else the environment's, else None."""
+    from kvrelay.transfer.auth import KVSecret
+
+    return KVSecret.from_file(ns.kv_secret_file) if ns.kv_secret_file else KVSecret.from_env()
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from kvrelay.api.platform import ready_message, run_router
     from kvrelay.router.workers import WorkerRegistry
@@ -273,6 +289,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"},
         address=ns.ray_address,
         num_threads=threads,
+        kv_secret=_kv_secret(ns),
     )
 
     async def main() -> None:
@@ -340,6 +357,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         name=name,
         namespace=NAMESPACE,
         node_id=ray.get_runtime_context().get_node_id(),
+        kv_secret=_kv_secret(ns),
     )
     ray.get(handle.health.remote())
     print(f"kvrelay worker {name} ({ns.role}) is up; Ctrl-C stops it", flush=True)
