@@ -264,6 +264,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvrelay.router.workers import WorkerRegistry
     from kvrelay.worker.pools import Pools
 
+    server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
     engine_args = _engine_args(ns)
     engine_args.resolve_model_path()  # fail fast (and fetch the default model) before Ray
     num_workers = ns.num_decode if ns.colocated else ns.num_prefill + ns.num_decode
@@ -300,7 +301,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         def ready(server: Any, router: Any) -> None:
             print(ready_message(server, router, pools_text), flush=True)
 
-        await run_router(registry, engine_args, _router_options(ns), _server_config(ns), ready)
+        await run_router(registry, engine_args, _router_options(ns), server_config, ready)
 
     try:
         asyncio.run(main())
@@ -317,6 +318,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
     from kvrelay.router.discovery import NAMESPACE, WorkerManager, discover_workers
     from kvrelay.router.workers import WorkerRegistry
 
+    server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
     engine_args = _engine_args(ns)
     ray.init(address=ns.ray_address, namespace=NAMESPACE)
     background = []
@@ -333,7 +335,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
             print(ready_message(server, router, f"workers on Ray at {ns.ray_address}"), flush=True)
 
         await run_router(
-            registry, engine_args, _router_options(ns), _server_config(ns), ready, background
+            registry, engine_args, _router_options(ns), server_config, ready, background
         )
 
     asyncio.run(main())
