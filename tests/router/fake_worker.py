@@ -77,6 +77,7 @@ class FakeState:
     pull_failures: int
     peers: tuple[str, ...]  # prefill engine ids add_peer introduced
     resumed: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, tokens it resumed after)
+    bound_to: tuple[str | None, ...]  # per prefill: the decode engine its handle is bound to
 
     @property
     def whole(self) -> bool:
@@ -120,6 +121,7 @@ class FakeWorker:
         self.forgotten: list[str] = []
         self.handles: list[str] = []
         self.resumed: list[tuple[str, tuple[int, ...]]] = []
+        self.bound_to: list[str | None] = []  # the decode engine each prefill's handle is for
         self.pull_failures = 0
         self.peers: dict[str, int] = {}
 
@@ -139,6 +141,7 @@ class FakeWorker:
         self.forgotten.clear()
         self.handles.clear()
         self.resumed.clear()
+        self.bound_to.clear()
         self.pull_failures = 0
         self.peers.clear()
         return state
@@ -155,6 +158,7 @@ class FakeWorker:
             forgotten=tuple(self.forgotten),
             handles=tuple(self.handles),
             resumed=tuple(self.resumed),
+            bound_to=tuple(self.bound_to),
             pull_failures=self.pull_failures,
             peers=tuple(sorted(self.peers)),
         )
@@ -162,9 +166,14 @@ class FakeWorker:
     # -- requests --
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        decode_engine_id: str | None = None,
     ) -> OutputDelta:
         self.calls.append(("prefill", request_id))
+        self.bound_to.append(decode_engine_id)
         if self.role is not Role.PREFILL:
             raise RuntimeError(f"a {self.role} worker does not prefill for others")
         prompt = list(prompt_token_ids)

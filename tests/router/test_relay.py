@@ -189,6 +189,7 @@ async def test_relayed_run_gives_the_model_tokens_and_releases_the_lease(
     assert decisions(router, "disaggregated") == 1
     ps, ds = await cluster.assert_whole(p, d)
     assert ps.called("prefill") == [rid]
+    assert ps.bound_to == ("d0",)  # only the decode worker the router picked may pull it
     assert ps.released == ((rid, True),)  # released at D's first output
     assert ds.handles == (rid,) and ds.peers == ("p0",)
     assert ds.called("abort") == [] and ds.forgotten == ()

@@ -161,7 +161,7 @@ class Relay:
     async def _disaggregated(
         self, run: SampleRun, prefill: WorkerState, decode: WorkerState, hashes: Sequence[bytes]
     ) -> None:
-        first = await self._prefill(run, prefill)
+        first = await self._prefill(run, prefill, decode.worker_id)
         run.times["prefill_done"] = time.monotonic()
         run.take(first)
         handle = first.kv_handle
@@ -188,12 +188,14 @@ class Relay:
         if not completed:
             await self._lease_lost(run, decode, handle)
 
-    async def _prefill(self, run: SampleRun, worker: WorkerState) -> OutputDelta:
+    async def _prefill(self, run: SampleRun, worker: WorkerState, decode_id: str) -> OutputDelta:
+        """The prompt prefilled at `worker`; its KV handle is bound to the decode engine
+        `decode_id` (no other engine may pull it)."""
         worker.in_flight += 1
         done = False
         try:
             first: OutputDelta = await worker.handle.prefill.remote(
-                run.request_id, run.prompt, run.params
+                run.request_id, run.prompt, run.params, decode_id
             )
             done = True
             return first
