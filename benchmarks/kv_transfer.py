@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import secrets
 import statistics
 import time
 from typing import Any
@@ -30,7 +31,11 @@ BLOCK_SHAPE = (30, 2, 16, 3, 64)  # one block of the default model, block size 1
 class Worker:
     """A worker process: a KV tensor of `num_blocks` blocks and one connector."""
 
-    def __init__(self, backend: str, engine_id: str, num_blocks: int, seed: int | None) -> None:
+    def __init__(
+        self, backend: str, engine_id: str, num_blocks: int, seed: int | None, secret: bytes
+    ) -> None:
+        from kvrelay.engine.leases import LeaseTable
+        from kvrelay.transfer.auth import KVSecret
         from kvrelay.transfer.factory import create_connector
 
         shape = (num_blocks, *BLOCK_SHAPE)
@@ -38,8 +43,23 @@ class Worker:
             self.kv = torch.zeros(shape)
         else:
             self.kv = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-        self.connector = create_connector(backend, timeout_s=60.0)
+        self.connector = create_connector(backend, secret=KVSecret(secret), timeout_s=60.0)
         self.connector.register(self.kv, engine_id, 1)
+        # Pulls are authorized as an engine authorizes them: one lease per pull, as here.
+        self.leases = LeaseTable()
+        self.connector.authorize_pulls(
+            lambda handle_id, requester, blocks: (
+                self.leases.claim(handle_id, requester, blocks, time.monotonic()) is None
+            )
+        )
+
+    def grant(self, remote: list[int]) -> str:
+        """A fresh single-use lease on `remote` (what a prefill hands a decode worker)."""
+        import secrets
+
+        handle_id = secrets.token_urlsafe(24)
+        self.leases.grant(handle_id, time.monotonic() + 60.0, handle_id, remote)
+        return handle_id
 
     def metadata(self) -> Any:
         return self.connector.metadata()
@@ -47,11 +67,11 @@ class Worker:
     def add_peer(self, peer: Any) -> None:
         self.connector.add_peer(peer)
 
-    def pull(self, engine_id: str, remote: list[int], local: list[int]) -> float:
+    def pull(self, engine_id: str, remote: list[int], local: list[int], handle_id: str) -> float:
         """Seconds from pull start to every byte landed."""
         from kvrelay.messages import KVHandle, PullPlan
 
-        handle = KVHandle(engine_id, 1, "bench", tuple(remote), 0, (), 0)
+        handle = KVHandle(engine_id, 1, "bench", tuple(remote), 0, (), 0, handle_id=handle_id)
         plan = PullPlan("bench", tuple(remote), tuple(local))
         start = time.perf_counter()
         self.connector.pull(handle, plan)
@@ -82,6 +102,16 @@ def plans(tokens: int, seed: int) -> dict[str, tuple[list[int], list[int]]]:
     }
 
 
+def timed_pull(pair: tuple[Any, Any], backend: str, remote: list[int], local: list[int]) -> float:
+    """One authorized pull from the prefill actor into the decode actor: its seconds."""
+    import ray
+
+    prefill, decode = pair
+    handle_id = ray.get(prefill.grant.remote(remote))
+    seconds: float = ray.get(decode.pull.remote(f"P-{backend}", remote, local, handle_id))
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
@@ -104,19 +134,21 @@ def main() -> None:
         for pattern in ("merged", "per-block")
     ]
     workers: dict[str, tuple[Any, Any]] = {}
+    secret = secrets.token_bytes(32)  # the deployment's KV secret: both workers hold it
     for backend in args.backends:
-        prefill = actor.remote(backend, f"P-{backend}", num_blocks, args.seed)
-        decode = actor.remote(backend, f"D-{backend}", num_blocks, None)
+        prefill = actor.remote(backend, f"P-{backend}", num_blocks, args.seed, secret)
+        decode = actor.remote(backend, f"D-{backend}", num_blocks, None, secret)
         ray.get(decode.add_peer.remote(ray.get(prefill.metadata.remote())))
         workers[backend] = (prefill, decode)
     for backend, tokens, pattern in tqdm(cases, desc="kv transfer", unit="case"):
         prefill, decode = workers[backend]
         remote, local = plans(tokens, args.seed)[pattern]
-        ray.get(decode.pull.remote(f"P-{backend}", remote, local))  # warm-up: connect
+        pair = (prefill, decode)
+        timed_pull(pair, backend, remote, local)  # warm-up: connect
         if ray.get(decode.checksum.remote(local)) != ray.get(prefill.checksum.remote(remote)):
             raise SystemExit(f"{backend} {pattern}: pulled bytes differ from the source")
         seconds = statistics.median(
-            ray.get(decode.pull.remote(f"P-{backend}", remote, local)) for _ in range(args.repeats)
+            timed_pull(pair, backend, remote, local) for _ in range(args.repeats)
         )
         memcpy = statistics.median(
             ray.get(decode.local_copy.remote(remote, local)) for _ in range(args.repeats)
