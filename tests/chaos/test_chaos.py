@@ -4,7 +4,7 @@ scenario.py runs it once; each test here judges one property of that run).
 
 The server runs without prefix caching and with --max-local-prefill-tokens 0, so that every
 prompt is really prefilled at the prefill worker: a long prompt is being prefilled when the
-prefill worker is killed (the test waits until the prefill pool reports it running).
+prefill worker is killed (the test waits until that worker's process burns CPU on it).
 
 What "health tells the truth" means from outside (the test cannot see a worker being up; it
 sees its pid die at the kill, and its replacement's `joined` line in the router's log):
