@@ -1,6 +1,7 @@
 """The gRPC fallback connector: a decode worker streams a prefill worker's KV block bytes over
 `kvrelay.v1.KVTransfer/PullBlocks` and writes them straight into its own blocks (no pickle).
-Every pull carries a proof made with the deployment's KV secret (transfer/auth.py)."""
+Every pull carries a proof made with the deployment's KV secret (transfer/auth.py); the channel
+runs mTLS when the worker has a certificate (transfer/tls.py), plaintext otherwise."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kvrelay.transfer.grpc_server import (
     start_server,
 )
 from kvrelay.transfer.kv_regions import block_byte_rows, check_block_ids, check_kv_tensor
+from kvrelay.transfer.tls import KVTLS
 from kvrelay.v1 import kv_transfer_pb2 as pb
 from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -37,6 +39,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+_TLS_HINT = (
+    "with KV TLS on, every worker needs a certificate signed by $KVRELAY_KV_TLS_CA, issued "
+    "for the address peers dial or for $KVRELAY_KV_TLS_SERVER_NAME"
+)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class _Peer:
 class GrpcConnector(KVConnector):
     """KV connector over gRPC. `register` starts this worker's KVTransfer server (unless
     `serve=False`, for a worker nobody pulls from); it serves only pulls that `authorize_pulls`
-    allows, from pullers holding `secret`. Without a secret nothing is served or pulled.
+    allows, from pullers holding `secret`. Without a secret nothing is served or pulled. With
+    `tls`, both its server and its channels to peers are mutually authenticated TLS.
 
     Thread safety: `pull` may run on any thread, several at once (one channel per peer, which
     gRPC shares safely); the server reads blocks on its own thread pool while the engine keeps
@@ -68,10 +76,12 @@ class GrpcConnector(KVConnector):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = 30.0,
         secret: KVSecret | None = None,
+        tls: KVTLS | None = None,
     ) -> None:
         """`host`/`port`: where the server binds (port 0: ephemeral); `advertise_host`: what
         peers dial, when it differs from `host` (e.g. the pod IP for a 0.0.0.0 bind);
-        `timeout_s` bounds a pull; `secret`: the deployment's KV secret."""
+        `timeout_s` bounds a pull; `secret`: the deployment's KV secret; `tls`: this worker's
+        mTLS material (None: plaintext; every worker of a deployment must agree)."""
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 1024:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 1024}]")
         if timeout_s <= 0:
@@ -82,6 +92,7 @@ class GrpcConnector(KVConnector):
         self._max_workers = max_workers
         self._chunk_bytes = chunk_bytes
         self._secret = secret
+        self._tls = tls
         self._server: grpc.Server | None = None
         self._servicer: KVTransferServicer | None = None
         self._rows: torch.Tensor | None = None  # our KV tensor as [num_blocks, block_bytes]
@@ -102,8 +113,9 @@ class GrpcConnector(KVConnector):
             self._servicer = KVTransferServicer(
                 kv_tensor, engine_id, epoch, self._chunk_bytes, self._secret
             )
+            credentials = None if self._tls is None else self._tls.server_credentials()
             self._server, self.port = start_server(
-                self._servicer, self.host, self.port, self._max_workers
+                self._servicer, self.host, self.port, self._max_workers, credentials
             )
 
     def authorize_pulls(self, claim: ClaimPull) -> None:
@@ -143,7 +155,7 @@ class GrpcConnector(KVConnector):
                 old.epoch > peer.epoch or (old.epoch == peer.epoch and old.address == address)
             ):
                 return  # a late message about an older life, or one we already know
-            channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = self._channel(address)
             stub = pb_grpc.KVTransferStub(channel)
             self._peers[peer.engine_id] = _Peer(peer.epoch, address, channel, stub)
         if old is not None:
@@ -184,6 +196,8 @@ class GrpcConnector(KVConnector):
                 ) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TransferError(f"{what}: timed out after {self.timeout_s} s") from None
+            if code == grpc.StatusCode.UNAVAILABLE and self._tls is not None:
+                details = f"{details} ({_TLS_HINT})"
             raise TransferError(f"{what}: {code.name}: {details}") from None
         if received != expected:
             raise TransferError(f"{what}: got {received} of {expected} bytes")
@@ -197,6 +211,12 @@ class GrpcConnector(KVConnector):
         if self._server is not None:
             self._server.stop(grace=None)
             self._server = None
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if self._tls is None:
+            return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        options = _CHANNEL_OPTIONS + self._tls.channel_options()
+        return grpc.secure_channel(address, self._tls.channel_credentials(), options=options)
 
     def _request(self, handle: KVHandle, plan: PullPlan, block_bytes: int) -> pb.PullBlocksRequest:
         """The request for `plan`, with its proof (TransferError when no secret is set)."""

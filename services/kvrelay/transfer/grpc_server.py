@@ -117,10 +117,14 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
 
 
 def start_server(
-    servicer: KVTransferServicer, host: str, port: int, max_workers: int
+    servicer: KVTransferServicer,
+    host: str,
+    port: int,
+    max_workers: int,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a KVTransfer server on `host:port` (port 0: an ephemeral one); returns it and
-    the bound port.
+    the bound port. `credentials`: TLS (transfer/tls.py), None for plaintext.
 
     Raises:
         RuntimeError: the address could not be bound.
@@ -134,11 +138,15 @@ def start_server(
     )
     pb_grpc.add_KVTransferServicer_to_server(servicer, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot bind the KV transfer server to {host}:{port}: {exc}") from exc
     if bound == 0:
         raise RuntimeError(f"cannot bind the KV transfer server to {host}:{port}; pick a free port")
     server.start()
-    logger.info("KV transfer (gRPC) serving on %s:%d", host, bound)
+    mode = "plaintext" if credentials is None else "mTLS"
+    logger.info("KV transfer (gRPC, %s) serving on %s:%d", mode, host, bound)
     return server, bound

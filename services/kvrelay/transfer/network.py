@@ -1,5 +1,6 @@
 """Where a worker's KV transports listen: loopback unless configured (a local `serve`), the
-configured interface in a cluster. Read from the environment, which Kubernetes sets per pod.
+configured interface in a cluster; and whether the gRPC channel runs mTLS (transfer/tls.py).
+Read from the environment, which Kubernetes sets per pod.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvrelay.transfer.tls import KVTLS
+
 logger = logging.getLogger(__name__)
 
 KV_HOST_ENV = "KVRELAY_KV_HOST"  # the address the KV servers bind (a pod: its IP)
@@ -25,16 +28,23 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 @dataclass(frozen=True)
 class KVNetwork:
     """`host`: the gRPC KV server's bind address; `advertise_host`: what peers dial (default
-    `host`); `ucx_net_devices`: the network devices UCX (NIXL) may listen on, None for all."""
+    `host`); `ucx_net_devices`: the network devices UCX (NIXL) may listen on, None for all;
+    `tls`: mTLS for the gRPC KV channel (None: plaintext)."""
 
     host: str = LOOPBACK
     advertise_host: str | None = None
     ucx_net_devices: str | None = "lo"
+    tls: KVTLS | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KVNetwork:
         """$KVRELAY_KV_HOST (default loopback) and $KVRELAY_KV_ADVERTISE_HOST; UCX's devices
-        from $UCX_NET_DEVICES, else the interface that holds the KV host's address."""
+        from $UCX_NET_DEVICES, else the interface that holds the KV host's address; TLS from
+        $KVRELAY_KV_TLS_CERT / _KEY / _CA / _SERVER_NAME (KVTLS.from_env).
+
+        Raises:
+            KVTLSError: the TLS settings are incomplete or unreadable.
+        """
         env = os.environ if environ is None else environ
         host = env.get(KV_HOST_ENV, "").strip() or LOOPBACK
         advertise = env.get(KV_ADVERTISE_HOST_ENV, "").strip() or None
@@ -46,7 +56,7 @@ class KVNetwork:
                 host,
                 UCX_NET_DEVICES_ENV,
             )
-        return cls(host, advertise, devices)
+        return cls(host, advertise, devices, KVTLS.from_env(env))
 
 
 def interface_of(host: str) -> str | None:
