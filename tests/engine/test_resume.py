@@ -78,3 +78,32 @@ def test_a_seeded_request_draws_the_same_stream_disaggregated(
     dec.finish_pull("r", ok=True)
     pre.release_kv("r")
     assert decode_all(dec)["r"].outputs[0].token_ids == expected
+
+
+def test_a_resumed_sequence_with_logprobs_gives_them_for_its_new_tokens(
+    make_engine: EngineFactory,
+) -> None:
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=TOKENS, logprobs=2)
+    whole = make_engine()
+    whole.add_request("whole", PROMPT, params)
+    done_whole = {}
+    while whole.has_unfinished_requests():
+        for out in whole.step():
+            if out.finished:
+                done_whole[out.request_id] = out.outputs[0]
+    expected = done_whole["whole"]
+    engine = make_engine()
+    engine.add_request("moved", PROMPT, params, resume_output_token_ids=expected.token_ids[:5])
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out.outputs[0]
+    assert final is not None and expected.logprobs is not None and final.logprobs is not None
+    assert final.token_ids == expected.token_ids
+    # The new tokens' logprobs: the same tokens, values up to accumulation order (the resumed
+    # tokens were computed in one prefill, not token by token).
+    for got, want in zip(final.logprobs[5:], expected.logprobs[5:], strict=True):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t] - want[t]) < 1e-4 for t in want)
+    assert_pool_whole(engine)

@@ -90,11 +90,8 @@ class ParentRequest:
         for index, child in enumerate(self.children):
             detok = self.detokenizers[index]
             logprobs = child.output_logprobs if child.sampling_params.logprobs is not None else None
-            cumulative = None
-            if logprobs is not None:
-                cumulative = sum(
-                    lp[tok] for tok, lp in zip(child.output_token_ids, logprobs, strict=False)
-                )
+            # A resumed sequence's first tokens have no logprobs here (its caller has them).
+            cumulative = child.cumulative_logprob if logprobs is not None else None
             completions.append(
                 CompletionOutput(
                     index=index,

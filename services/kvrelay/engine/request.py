@@ -65,6 +65,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Top-n logprobs per output token, when sampling_params.logprobs is set.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Sum of the sampled tokens' logprobs (kept as they come: summing the list every step
+    # would cost O(length) per token).
+    cumulative_logprob: float = 0.0
     # Tokens whose K/V are in the cache; reset to 0 by preemption (recompute).
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -112,6 +115,7 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs.get(token_id, 0.0)
 
     def resume(self, output_token_ids: Sequence[int]) -> None:
         """Take over the outputs another engine produced (a sequence migrated from a worker
