@@ -269,11 +269,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine_args.resolve_model_path()  # fail fast (and fetch the default model) before Ray
     num_workers = ns.num_decode if ns.colocated else ns.num_prefill + ns.num_decode
     threads = ns.worker_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
-    transfer = ns.transfer_backend
-    if transfer == "auto":
-        from kvrelay.transfer.factory import nixl_available
+    from kvrelay.transfer.factory import pick_backend
+    from kvrelay.transfer.tls import KVTLS
 
-        transfer = "nixl" if nixl_available() else "grpc"
+    # As the workers will resolve it (a half-set KV TLS config fails here, before Ray).
+    transfer = pick_backend(ns.transfer_backend, KVTLS.from_env())
     pools_text = (
         f"{ns.num_decode} colocated worker(s)"
         if ns.colocated
