@@ -167,11 +167,6 @@ def outage_lies(kill: Kill, probes: list[Probe]) -> list[str]:
     return lies
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a resumed sequence's logprobs do not line up with its output tokens "
-    "(KeyError in ParentRequest.output), and the failed step fails every request on the worker",
-)
 def test_a_migrated_stream_with_logprobs_keeps_its_tokens(
     chaos: ChaosRun, chaos_server: ServerProcess
 ) -> None:

@@ -92,6 +92,8 @@ class Relay:
                 if run.state.token_ids:
                     await self._migrate(run, hashes, block_size)
                 else:
+                    if attempt > 1:  # the pools may be down to no decode worker: wait for one
+                        await self._decode_capable(RouteQuery(hashes, 0))
                     await self._run_once(run, hashes, block_size)
                 return
             except WorkerLostError as exc:
@@ -115,13 +117,20 @@ class Relay:
         waiting (up to `migration_wait_s`) for one to exist: a pool of one is being replaced."""
         done = run.state.token_ids
         blocks_needed = -(-(len(run.prompt) + (run.params.max_tokens or len(done))) // block_size)
-        query = RouteQuery(hashes, blocks_needed)
+        worker = await self._decode_capable(RouteQuery(hashes, blocks_needed))
+        self.metrics.migrations.labels("resumed").inc()
+        self.registry.index.record(worker.worker_id, hashes)
+        await self._stream(run, worker, None, resume=list(done))
+
+    async def _decode_capable(self, query: RouteQuery) -> WorkerState:
+        """A healthy decode-capable worker for `query`, waiting up to `migration_wait_s` for
+        one to exist (a worker just lost; its replacement is starting)."""
         deadline = time.monotonic() + self.config.migration_wait_s
         while True:
             candidates = self.registry.healthy(Role.DECODE) + self.registry.healthy(Role.BOTH)
             worker = self.policy.pick(candidates, query, self.registry.index)
             if worker is not None:
-                break
+                return worker
             if time.monotonic() >= deadline:
                 self.metrics.migrations.labels("failed").inc()
                 raise UnavailableError(
@@ -129,9 +138,6 @@ class Relay:
                     f"within {self.config.migration_wait_s:g} s; retry it"
                 )
             await asyncio.sleep(0.2)
-        self.metrics.migrations.labels("resumed").inc()
-        self.registry.index.record(worker.worker_id, hashes)
-        await self._stream(run, worker, None, resume=list(done))
 
     async def _run_once(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
         roles = self.registry.roles()

@@ -115,7 +115,7 @@ class WorkerRegistry:
             state = WorkerState(handle, info, last_seen=time.monotonic())
             if info.role is Role.PREFILL:
                 meta: PeerMetadata = await handle.kv_metadata.remote()
-                await asyncio.gather(*(d.handle.add_peer.remote(meta) for d in self._decoders()))
+                await self._introduce(meta, self._decoders())
                 self._peer_metas[info.engine_id] = meta
             elif info.role is Role.DECODE:
                 await asyncio.gather(
@@ -125,6 +125,25 @@ class WorkerRegistry:
             self.workers[info.engine_id] = state
             logger.warning("worker %s (%s, pid %d) joined", info.engine_id, info.role, info.pid)
             return state
+
+    async def _introduce(self, meta: PeerMetadata, decoders: Sequence[WorkerState]) -> None:
+        """Tell decode workers about a prefill worker, each within the stats timeout: a decode
+        worker that is itself dead or restarting must not hold up the join (it is introduced
+        to every prefill worker when it joins again)."""
+
+        async def tell(decoder: WorkerState) -> None:
+            try:
+                async with asyncio.timeout(self._stats_timeout_s):
+                    await decoder.handle.add_peer.remote(meta)
+            except Exception:
+                logger.warning(
+                    "decode worker %s did not take prefill worker %s's metadata",
+                    decoder.worker_id,
+                    meta.engine_id,
+                    exc_info=True,
+                )
+
+        await asyncio.gather(*(tell(d) for d in decoders))
 
     def _decoders(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.role is Role.DECODE]
