@@ -1,5 +1,6 @@
 """A worker's Engine: its EngineArgs with the pool's $KVRELAY_ENGINE_ARGS on top, built without
-a tokenizer (workers send token ids; the router detokenizes)."""
+a tokenizer (workers send token ids; the router detokenizes), in a process whose oneDNN caches
+are bounded."""
 
 from __future__ import annotations
 
@@ -7,11 +8,19 @@ import argparse
 import dataclasses
 import os
 import shlex
+from collections.abc import MutableMapping
 
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.engine import Engine
 
 ENGINE_ARGS_ENV = "KVRELAY_ENGINE_ARGS"
+# oneDNN's primitive cache and ideep's (torch's oneDNN wrapper) keep one entry per matmul shape,
+# 1024 each by default, about 0.3 MiB per entry for the packed linears (models/layers.py). A
+# prefill worker sees a new row count with nearly every prompt length, so both filled up: its
+# RSS grew ~2 MiB per new length, to ~450 MiB more plus glibc's fragmentation around them
+# (issue 13's soak; benchmarks/memory_soak.py). 64 entries keep 16 row counts of the 4 linears
+# of a layer: a step reuses its own across all layers, and a miss costs ~1 ms per linear.
+BOUNDED_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
 
 def apply_env_overrides(args: EngineArgs, environ: dict[str, str] | None = None) -> EngineArgs:
@@ -35,6 +44,15 @@ def apply_env_overrides(args: EngineArgs, environ: dict[str, str] | None = None)
     return dataclasses.replace(args, **given)
 
 
+def bound_onednn_caches(environ: MutableMapping[str, str] | None = None) -> None:
+    """Cap oneDNN's shape-keyed caches (BOUNDED_CACHE_ENV) unless the environment sets them.
+    Read once per process at oneDNN's first matmul: call it before the engine is built."""
+    environ = os.environ if environ is None else environ
+    for name, value in BOUNDED_CACHE_ENV.items():
+        environ.setdefault(name, value)
+
+
 def build_worker_engine(args: EngineArgs) -> Engine:
     """The engine a worker runs: `args` plus the pool's environment overrides, no tokenizer."""
+    bound_onednn_caches()
     return apply_env_overrides(args).create_engine(with_tokenizer=False)
