@@ -1,0 +1,89 @@
+"""benchmarks/memory_soak.py: --help, the verdict rule on made-up samples, and a short smoke run
+against the session's server whose report has the RSS table (serve, prefill and decode worker
+columns), the growth section and a verdict for every process."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.servers import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "memory_soak.py"
+
+
+def load_script() -> ModuleType:
+    sys.path.insert(0, str(SCRIPT.parent))  # its own imports (fuzz_soak, serving) live there
+    try:
+        spec = importlib.util.spec_from_file_location("memory_soak", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["memory_soak"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_memory_soak_help() -> None:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    for flag in ("--minutes", "--concurrency", "--sample-s", "--url", "--server-log"):
+        assert flag in out.stdout
+
+
+def test_verdict_rule() -> None:
+    soak = load_script()
+    linear = [soak.Sample(60.0 * i, i, {"p": 100.0 + 3 * i}) for i in range(10)]
+    grows = soak.growth(linear, "p", 0.5)
+    assert grows.verdict == "still growing"
+    assert grows.first_third_mib == pytest.approx(9.0) and grows.last_third_mib == 9.0
+    assert grows.last_slope_mib_per_min == pytest.approx(3.0)
+    # Fast growth at first, then flat: levelled off.
+    flat = [soak.Sample(60.0 * i, i, {"p": 100.0 + 10 * min(i, 3)}) for i in range(10)]
+    assert soak.growth(flat, "p", 0.5).verdict == "levelled off"
+    assert soak.growth(linear[:2], "p", 0.5).verdict == "too short to tell"
+
+
+def test_worker_roles_from_the_log(tmp_path: Path) -> None:
+    soak = load_script()
+    log = tmp_path / "serve.log"
+    log.write_text(
+        "WARNING worker 1a2b3c4d5e6f (prefill, pid 4242) joined\n"
+        "WARNING worker abcdefabcdef (decode, pid 4343) joined\n"
+    )
+    assert soak.worker_roles(log) == {4242: "prefill 1a2b3c4d5e6f", 4343: "decode abcdefabcdef"}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_memory_soak_smoke_run(kvrelay_server: ServerProcess) -> None:
+    # The session server admits 4 requests at once and queues 2: two clients fit.
+    command = [
+        sys.executable, str(SCRIPT), "--url", kvrelay_server.http_url,
+        "--server-log", str(kvrelay_server.log_path), "--minutes", str(20 / 60),
+        "--sample-s", "4", "--concurrency", "2", "--no-progress",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    report = out.stdout
+    assert out.returncode == 0, report + out.stderr
+    for section in (" kvrelay memory soak ", " RSS (MiB) over time ", " growth (MiB) "):
+        assert section in report
+    header = next(line for line in report.splitlines() if line.lstrip().startswith("min"))
+    assert re.search(r"\bserve\b", header) and "prefill " in header and "decode " in header
+    rows = [line for line in report.splitlines() if re.match(r"^\s*\d+\.\d\s+\d+\s", line)]
+    assert len(rows) >= 5, report  # a sample at 0 s, every 4 s, and at the end
+    # minutes, requests, then serve, decode, prefill and Ray's other processes
+    assert all(len(row.split()) == 6 for row in rows), report
+    verdicts = re.findall(r"(levelled off|still growing|too short to tell)$", report, re.M)
+    assert len(verdicts) == 4, report  # serve, prefill, decode, Ray's other processes
+    assert re.search(r"^requests: .*\bok [1-9]", report, re.M), report
