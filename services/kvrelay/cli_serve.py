@@ -62,6 +62,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add = group.add_argument
     add("--served-model-name", default=None, help="model id clients use (default: folder name)")
     add("--max-in-flight", type=int, default=256, help="requests running at once (default 256)")
+    add("--migration-timeout", type=float, default=60.0, help="seconds a stream whose worker "
+        "died waits for another to resume it at (a replacement starting), then fails with 503 "
+        "(default 60)")  # fmt: skip
     add("--max-n", type=int, default=128, help="most samples (n) one request may ask for "
         "(default 128)")  # fmt: skip
     add(
@@ -249,6 +252,7 @@ def _router_options(ns: argparse.Namespace) -> Any:
         ns.routing_policy,
         ns.max_local_prefill_tokens,
         ns.max_n,
+        ns.migration_timeout,
     )
 
 

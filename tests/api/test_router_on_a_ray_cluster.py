@@ -29,6 +29,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 RAY_ENV = {
     **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
     "RAY_AUTH_MODE": "disabled",
+    # The deployment's KV secret in every node's environment, as a Kubernetes Secret puts it:
+    # workers the router starts on the cluster read it there.
+    "KVRELAY_KV_SECRET": "kvrelay-test-cluster-kv-secret-0123456789",
 }
 
 

@@ -41,7 +41,17 @@ from tests.servers import ServerProcess, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SERVER_ARGS = ("--no-prefix-caching", "--max-local-prefill-tokens", "0", "--num-blocks", "256")
+# Streams wait up to 120 s for a replacement (a loaded CI machine restarts a worker slowly);
+# the 30 s bound of the issue is asserted on its own.
+SERVER_ARGS = (
+    "--no-prefix-caching",
+    "--max-local-prefill-tokens",
+    "0",
+    "--num-blocks",
+    "256",
+    "--migration-timeout",
+    "120",
+)
 DETECTION_S = 3.0  # kill -9 -> the router knows the worker is gone (measured: 1.4 s)
 JOIN_SLACK_S = 0.3
 TOKEN_SLACK_S = 0.15

@@ -29,6 +29,7 @@ class RouterOptions:
     routing_policy: str = "score"
     max_local_prefill_tokens: int = 64
     max_n: int = DEFAULT_MAX_N
+    migration_timeout_s: float = 60.0
 
 
 def model_card(engine_args: EngineArgs, served_name: str | None) -> ModelCard:
@@ -51,6 +52,7 @@ async def run_router(
     tokenizer = load_tokenizer(engine_args.resolve_model_path())
     relay = RelayConfig(
         max_local_prefill_tokens=options.max_local_prefill_tokens,
+        migration_wait_s=options.migration_timeout_s,
         kv_transfer_failure=engine_args.kv_transfer_failure,
     )
     router = Router.create(
