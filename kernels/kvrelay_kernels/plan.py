@@ -6,7 +6,7 @@ Splitting the batch into decode tokens (one query each, batched together) and pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,9 @@ class PrefillChunk:
     q_end: int
     context_len: int
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> PrefillChunk:
+        return replace(self, block_ids=self.block_ids.to(device, non_blocking=non_blocking))
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,24 @@ class AttentionPlan:
     @property
     def has_decodes(self) -> bool:
         return self.decode_block_tables is not None
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> AttentionPlan:
+        """The plan with every tensor on `device`; its ints (query spans, context lengths)
+        stay Python values, so kernels read them without a host sync."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return AttentionPlan(
+            move(self.decode_token_idx),
+            move(self.decode_block_tables),
+            move(self.decode_mask),
+            self.decode_context,
+            tuple(c.to(device, non_blocking) for c in self.prefills),
+            move(self.decode_lens),
+            move(self.slot_blocks),
+            move(self.slot_offsets),
+        )
 
 
 def split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

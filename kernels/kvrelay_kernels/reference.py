@@ -189,7 +189,8 @@ def _chunk_attention(
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         first_pos = context_len - q_len
-        rows = torch.arange(q_len).unsqueeze(1) + first_pos
-        mask = torch.arange(context_len).unsqueeze(0) <= rows  # [q_len, context_len]
+        # Built on the inputs' device: a CPU mask would not mix with CUDA queries.
+        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + first_pos
+        mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= rows  # [q_len, ctx]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1)

@@ -7,6 +7,7 @@ Invalid values raise ValueError with the field name and the allowed range.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,8 +194,15 @@ class EngineConfig:
     # blocks): "recompute" the prompt here, or "fail" the request so the caller can retry.
     kv_transfer_failure: str = "recompute"
     engine_id: str | None = None  # a fresh id per engine when None
+    # Where weights, KV cache and step tensors live: "cpu", "cuda", "cuda:N" or "meta"
+    # (tests); already resolved (EngineArgs turns "auto" into one of these).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        _require(
+            re.match(r"^(cpu|meta|cuda(:\d+)?)$", self.device) is not None,
+            f"device must be cpu, cuda, cuda:N or meta, got {self.device!r}",
+        )
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         _require(
             self.role in ("both", "prefill", "decode"),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.engine.device import resolve_device, resolve_dtype
 from kvrelay.engine.engine import Engine
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -45,7 +46,8 @@ class EngineArgs:
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
+    device: str = "auto"  # "auto": cuda when torch sees a GPU, else cpu
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
@@ -76,6 +78,7 @@ class EngineArgs:
                 f"max_model_len={max_len} is longer than the model's "
                 f"{model_config.max_position_embeddings} positions"
             )
+        device = resolve_device(self.device)
         return EngineConfig(
             model=str(model_path),
             model_config=model_config,
@@ -91,7 +94,8 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             max_model_len=max_len,
-            dtype=self.dtype,
+            dtype=resolve_dtype(self.dtype, device),
+            device=device,
             seed=self.seed,
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
@@ -117,7 +121,11 @@ class EngineArgs:
         config = self.create_engine_config(path)
         backend = select_backend(config.attention_backend)
         model, _ = load_model(
-            path, backend, dtype=getattr(torch, config.dtype), max_positions=config.max_model_len
+            path,
+            backend,
+            dtype=getattr(torch, config.dtype),
+            max_positions=config.max_model_len,
+            device=config.device,
         )
         model.prepack()
         tokenizer = load_tokenizer(path) if with_tokenizer and has_tokenizer(path) else None
@@ -160,10 +168,11 @@ class EngineArgs:
         add("--max-model-len", type=int, default=None, help=_HELP["max_model_len"])
         add(
             "--dtype",
-            choices=["float32", "bfloat16", "float16"],
-            default="float32",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            default="auto",
             help=_HELP["dtype"],
         )
+        add("--device", default="auto", help=_HELP["device"])
         add("--seed", type=int, default=0, help=_HELP["seed"])
         add("--num-threads", type=int, default=None, help=_HELP["num_threads"])
         add("--attention-backend", default="auto", help=_HELP["attention_backend"])
@@ -185,7 +194,10 @@ _HELP = {
     "max_num_seqs": "most sequences running at once (default 128)",
     "long_prefill_token_threshold": "cap on one prompt's chunk per step, 0 for none (default 0)",
     "max_model_len": "longest sequence, prompt plus output (default: the model's)",
-    "dtype": "weights and KV cache dtype (default float32, the fast one on CPU)",
+    "dtype": "weights and KV cache dtype: auto (default: bfloat16 on CUDA, float32 on CPU, "
+    "the fast one there), float32, bfloat16 or float16",
+    "device": "where weights, KV cache and step tensors live: auto (default: cuda when torch "
+    "sees a GPU, else cpu), cpu, cuda, cuda:N, or meta (tests: shapes only, no data)",
     "seed": "seed of the sampler for requests without their own seed (default 0)",
     "num_threads": "torch CPU threads (default: torch's choice)",
     "attention_backend": (

@@ -50,7 +50,9 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         sampler = Sampler(torch.Generator().manual_seed(config.seed))
-        kv_tensor = allocate_kv_cache(config.model_config, num_blocks, block_size, dtype)
+        kv_tensor = allocate_kv_cache(
+            config.model_config, num_blocks, block_size, dtype, device=config.device
+        )
         self.runner = ModelRunner(model, kv_tensor, block_size, sampler)
         self.max_total_tokens = min(config.max_model_len, num_blocks * block_size)
         self.role = Role(config.role)

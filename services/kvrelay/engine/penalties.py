@@ -31,9 +31,10 @@ def flatten_token_ids(
     keep = (toks >= 0) & (toks < vocab_size)
     if not keep.all():
         toks, row_ids = toks[keep], row_ids[keep]
+    # Uploaded without waiting (pageable memory: the copy is staged, not a stream sync).
     return (
-        torch.from_numpy(row_ids).to(device),
-        torch.from_numpy(toks).to(device),
+        torch.from_numpy(row_ids).to(device, non_blocking=True),
+        torch.from_numpy(toks).to(device, non_blocking=True),
     )
 
 
@@ -41,7 +42,8 @@ def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, toks: torch.Tensor) ->
     """Set logits[rows[j], toks[j]] = -inf (min_tokens: stop and EOS ids may not end the text)."""
     # logits: [S, V]; rows, toks: [T]
     if rows.numel():
-        logits.index_put_((rows, toks), torch.tensor(float("-inf"), device=logits.device))
+        # new_full fills on the logits' device: no host tensor to copy over.
+        logits.index_put_((rows, toks), logits.new_full((), float("-inf")))
 
 
 def apply_repetition_penalty(
@@ -71,6 +73,13 @@ def apply_presence_frequency_penalties(
     """OpenAI penalties over output tokens: logit -= presence * [count > 0] + frequency * count."""
     # logits: [S, V]; rows, toks: [T] output tokens; presence, frequency: [S]
     if not rows.numel():
+        return
+    if logits.device.type != "cpu":
+        # `unique` has a data-dependent size: a host sync on a device. Dense [S, V] counts
+        # instead: fixed shapes, and cheap there (on the CPU the sparse form below is faster).
+        dense = torch.zeros_like(logits)  # [S, V]
+        dense.index_put_((rows, toks), logits.new_ones(()).expand(rows.shape), accumulate=True)
+        logits.sub_(presence[:, None] * (dense > 0) + frequency[:, None] * dense)
         return
     vocab_size = logits.shape[1]
     flat, counts = torch.unique(rows * vocab_size + toks, return_counts=True)  # [U], [U]

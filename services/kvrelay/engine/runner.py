@@ -61,11 +61,29 @@ class BatchInputs:
     attn: AttentionInputs
     logits_indices: torch.Tensor  # [num_sampled] int64 row of each sampled chunk's last token
 
+    def to(self, device: torch.device) -> BatchInputs:
+        """The step's inputs on `device`: built on the host, uploaded once per step without
+        waiting (`non_blocking`); `self` on the CPU, so the CPU path pays nothing.
+
+        Next slices (issue 14): stage them in reusable pinned host buffers (a pageable
+        source makes each non_blocking copy a staged, host-blocking one) and keep the
+        block tables on the device, updated incrementally, instead of re-sending them.
+        """
+        if self.input_ids.device == device:
+            return self
+        return BatchInputs(
+            self.input_ids.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
+            self.attn.to(device, non_blocking=True),
+            self.logits_indices.to(device, non_blocking=True),
+        )
+
 
 def build_batch_inputs(
     chunks: Sequence[ScheduledChunk], block_tables: Sequence[list[int]], block_size: int
 ) -> BatchInputs:
-    """Flatten the chunks into token, position, slot and block-table tensors."""
+    """Flatten the chunks into token, position, slot and block-table tensors, on the host (the
+    plan reads their values: on a device that would be a sync); `BatchInputs.to` uploads."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -106,6 +124,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.device = kv_cache.device  # every step tensor is moved here, once per step
         self.block_size = block_size
         self.sampler = sampler
 
@@ -125,8 +144,11 @@ class ModelRunner:
             # Before the forward pass: it may write into a copy's source (its last owner).
             src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
             dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
-            self.model.backend.copy_blocks(self.kv_cache, src, dst)
-        inputs = build_batch_inputs(chunks, block_tables, self.block_size)
+            dev = self.device
+            self.model.backend.copy_blocks(
+                self.kv_cache, src.to(dev, non_blocking=True), dst.to(dev, non_blocking=True)
+            )
+        inputs = build_batch_inputs(chunks, block_tables, self.block_size).to(self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:
@@ -136,7 +158,8 @@ class ModelRunner:
         if len(requests) > len(sampled_chunks):
             # logits: [num_sampled_chunks, V] -> [len(requests), V], a leader's row repeated
             rows_of = [i for i, c in enumerate(sampled_chunks) for _ in range(1 + len(c.forks))]
-            logits = logits[torch.tensor(rows_of, dtype=torch.int64)]
+            rows_t = torch.tensor(rows_of, dtype=torch.int64)
+            logits = logits[rows_t.to(logits.device, non_blocking=True)]
         rows = [
             SamplingRow(
                 params=r.sampling_params,

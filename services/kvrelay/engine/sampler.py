@@ -105,6 +105,19 @@ class Sampler:
                 f"logits must be [len(rows)={len(rows)}, V] and uniforms [{len(rows)}], got "
                 f"{tuple(logits.shape)} and {tuple(uniforms.shape)}"
             )
+        tokens, raw_logprobs = self.sample_on_device(logits, rows, uniforms)
+        # The step's one host sync: the sampled ids come back (the logprobs, when asked for,
+        # follow in a fixed number of copies, never one per row).
+        token_ids: list[int] = tokens.tolist()
+        _check_token_ids(token_ids, logits.shape[1])
+        params = [r.params for r in rows]
+        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, params, tokens))
+
+    def sample_on_device(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor | None]]:
+        """`sample` up to its sync: the [S] int64 token ids and the raw logprobs of the rows
+        that asked for them, all on the logits' device (nothing read back to the host)."""
         params = [r.params for r in rows]
         raw_logprobs = self._raw_logprobs(logits, params)
         min_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
@@ -118,9 +131,7 @@ class Sampler:
             self._mask_min_tokens(x, rows, min_rows)
             self._penalise(x, rows, pen_rows)
             tokens = self._choose(x, rows, rand_rows, uniforms)
-        _check_token_ids(tokens, logits.shape[1])
-        token_ids: list[int] = tokens.tolist()
-        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, params, token_ids))
+        return tokens, raw_logprobs
 
     # --- steps -------------------------------------------------------------------------------
 
@@ -148,31 +159,36 @@ class Sampler:
         vocab, dev = x.shape[1], x.device
         rep = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
         if rep:
-            penalty = torch.ones(x.shape[0], dtype=x.dtype, device=dev)  # [S]
+            penalty = torch.ones(x.shape[0], dtype=x.dtype)  # [S], built on the host
             penalty[rep] = torch.tensor(
                 [_clamp_repetition_penalty(rows[i].params.repetition_penalty) for i in rep],
                 dtype=x.dtype,
-                device=dev,
             )
             seqs = [rows[i].prompt_token_ids for i in rep] + [rows[i].output_token_ids for i in rep]
             r, t = flatten_token_ids(seqs, rep + rep, vocab, dev)
-            apply_repetition_penalty(x, r, t, penalty)
+            apply_repetition_penalty(x, r, t, penalty.to(dev, non_blocking=True))
         add = [
             i
             for i in idx
             if rows[i].params.presence_penalty != 0.0 or rows[i].params.frequency_penalty != 0.0
         ]
         if add:
-            presence = torch.zeros(x.shape[0], dtype=x.dtype, device=dev)  # [S]
+            presence = torch.zeros(x.shape[0], dtype=x.dtype)  # [S], built on the host
             frequency = torch.zeros_like(presence)  # [S]
             presence[add] = torch.tensor(
-                [rows[i].params.presence_penalty for i in add], dtype=x.dtype, device=dev
+                [rows[i].params.presence_penalty for i in add], dtype=x.dtype
             )
             frequency[add] = torch.tensor(
-                [rows[i].params.frequency_penalty for i in add], dtype=x.dtype, device=dev
+                [rows[i].params.frequency_penalty for i in add], dtype=x.dtype
             )
             r, t = flatten_token_ids([rows[i].output_token_ids for i in add], add, vocab, dev)
-            apply_presence_frequency_penalties(x, r, t, presence, frequency)
+            apply_presence_frequency_penalties(
+                x,
+                r,
+                t,
+                presence.to(dev, non_blocking=True),
+                frequency.to(dev, non_blocking=True),
+            )
 
     @staticmethod
     def _choose(
@@ -181,13 +197,13 @@ class Sampler:
         # x: [S, V] penalised logits, u: [S] uniforms -> [S] int64 token ids
         if not rand_rows:
             return argmax(x)
-        tokens = torch.empty(x.shape[0], dtype=torch.int64)  # [S]
+        tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # [S]
         rand_set = set(rand_rows)
         greedy_rows = [i for i in range(x.shape[0]) if i not in rand_set]
         if greedy_rows:
-            tokens[greedy_rows] = argmax(x[greedy_rows]).cpu()
+            tokens[greedy_rows] = argmax(x[greedy_rows]).to(x.device)  # numpy's is on the CPU
         rand = [rows[i] for i in rand_rows]
-        tokens[rand_rows] = Sampler._sample(x[rand_rows], rand, u[rand_rows]).cpu()
+        tokens[rand_rows] = Sampler._sample(x[rand_rows], rand, u[rand_rows])
         return tokens
 
     @staticmethod
@@ -196,20 +212,19 @@ class Sampler:
         vocab, dev = x.shape[1], x.device
         ps = [r.params for r in rows]
         temps = [min(p.temperature, MAX_TEMPERATURE) for p in ps]
-        temp = torch.tensor(temps, dtype=x.dtype, device=dev)  # [R]
+        temp = torch.tensor(temps, dtype=x.dtype).to(dev, non_blocking=True)  # [R]
         x.div_(temp[:, None])
         thresh = None
         if any(p.uses_top_k or p.uses_top_p or p.uses_min_p for p in ps):
-            top_k = torch.tensor(
-                [min(p.top_k, vocab) if p.uses_top_k else vocab for p in ps], device=dev
-            )  # [R]
-            top_p = torch.tensor([p.top_p for p in ps], dtype=x.dtype, device=dev)  # [R]
-            min_p = torch.tensor([p.min_p for p in ps], dtype=x.dtype, device=dev)  # [R]
+            # On the host: truncation_threshold reads them to pick its branches (no sync).
+            top_k = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in ps])
+            top_p = torch.tensor([p.top_p for p in ps], dtype=x.dtype)  # [R]
+            min_p = torch.tensor([p.min_p for p in ps], dtype=x.dtype)  # [R]
             thresh = truncation_threshold(x, top_k, top_p, min_p)  # [R]
         probs = x.softmax(dim=-1)  # [R, V]
         if thresh is not None:
             probs.mul_(x >= thresh[:, None])
-        return sample_inverse_cdf(probs, u.to(dev))
+        return sample_inverse_cdf(probs, u.to(dev, non_blocking=True))
 
     def _uniforms(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One uniform in [0, 1) per row: seeded rows from their own generator, others shared."""
@@ -237,28 +252,31 @@ def _clamp_repetition_penalty(penalty: float) -> float:
     return min(max(penalty, MIN_REPETITION_PENALTY), MAX_REPETITION_PENALTY)
 
 
-def _check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
     # NaN probabilities (non-finite logits) make the inverse-CDF draw return vocab_size: an id
     # that would break the next forward pass of every request in the batch, so refuse it here.
-    if tokens.numel() and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
-        bad = tokens[(tokens < 0) | (tokens >= vocab_size)].tolist()
+    # Checked on the host list, after the step's one sync, so it adds none.
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
         raise ValueError(f"sampled token ids {bad} outside the vocabulary [0, {vocab_size})")
 
 
 def _gather_logprobs(
     raw: tuple[list[int], torch.Tensor | None],
     params: Sequence[SamplingParams],
-    token_ids: list[int],
+    tokens: torch.Tensor,
 ) -> list[SampleLogprobs | None]:
+    # tokens: [S] int64 sampled ids, on lp's device
     out: list[SampleLogprobs | None] = [None] * len(params)
     idx, lp = raw  # lp: [L, V] raw logprobs of rows idx
     if lp is None:
         return out
     k_max = max(params[i].logprobs or 0 for i in idx)
-    chosen = lp.gather(1, torch.tensor([[token_ids[i]] for i in idx], device=lp.device))  # [L, 1]
+    chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()  # [L]
     top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())  # [L, k]
+    # Whole tensors come back at once: one copy each, not two per row.
+    values, ids = top_v.tolist(), top_i.tolist()
     for j, i in enumerate(idx):
         k = params[i].logprobs or 0
-        top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist(), strict=True))
-        out[i] = SampleLogprobs(float(chosen[j, 0]), top)
+        out[i] = SampleLogprobs(chosen[j], list(zip(ids[j][:k], values[j][:k], strict=True)))
     return out

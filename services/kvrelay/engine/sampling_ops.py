@@ -49,13 +49,17 @@ def truncation_threshold(
     """Per-row logit threshold of top-k, then top-p, then min-p; tokens below it are dropped.
 
     x: [R, V] temperature-scaled logits; top_k: [R] int64 (>= V: off); top_p: [R] (1: off);
-    min_p: [R] (0: off). Returns [R] (-inf where nothing is dropped). All three keep the best
-    token and min-p compares probability ratios, which renormalising does not change, so the
-    kept set is simply x >= max(thresholds). Ties at a threshold are all kept.
+    min_p: [R] (0: off). Returns [R] on x's device (-inf where nothing is dropped). All three
+    keep the best token and min-p compares probability ratios, which renormalising does not
+    change, so the kept set is simply x >= max(thresholds). Ties at a threshold are all kept.
+
+    Pass top_k, top_p and min_p on the host (CPU): which branches run is read from them, and
+    on an accelerator each such read would be a host sync; they meet x on its device.
     """
     rows, vocab = x.shape
+    top_k, top_p, min_p = top_k.cpu(), top_p.cpu(), min_p.cpu()  # no-ops for host tensors
     thresh = torch.full((rows,), float("-inf"), dtype=x.dtype, device=x.device)  # [R]
-    use_k = top_k < vocab
+    use_k = top_k < vocab  # host, like every mask below that decides a branch
     use_p = top_p < 1.0
     need = use_k | use_p
     if bool(need.any()):
@@ -63,19 +67,25 @@ def truncation_threshold(
         k_rows, p_rows = top_k[idx], top_p[idx]  # [Rt]
         k_max = int(k_rows[use_k[idx]].max()) if bool(use_k[idx].any()) else 0
         n_cand = min(vocab, max(k_max, TOP_P_CANDIDATES if bool(use_p.any()) else 0))
-        vals = x[idx].topk(n_cand, dim=-1).values  # [Rt, K] descending
+        idx_x = _to(idx, x)
+        vals = x[idx_x].topk(n_cand, dim=-1).values  # [Rt, K] descending
         # top-k: the k-th best logit (rows without top-k read column K-1 and discard it).
-        kth = vals.gather(1, (k_rows.clamp(max=n_cand) - 1)[:, None]).squeeze(1)  # [Rt]
-        t = torch.where(use_k[idx], kth, torch.full_like(kth, float("-inf")))
+        kth = vals.gather(1, _to((k_rows.clamp(max=n_cand) - 1)[:, None], x)).squeeze(1)
+        t = torch.where(_to(use_k[idx], x), kth, torch.full_like(kth, float("-inf")))  # [Rt]
         p_sel = use_p[idx]
         if bool(p_sel.any()):
             t = _apply_top_p(x, idx, vals, t, use_k[idx], p_rows, p_sel)
-        thresh[idx] = t
+        thresh[idx_x] = t
     if bool((min_p > 0).any()):
         # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
-        m = x.amax(dim=-1) + torch.log(min_p)  # [R]; log(0) = -inf: off
+        m = x.amax(dim=-1) + torch.log(_to(min_p, x))  # [R]; log(0) = -inf: off
         thresh = torch.maximum(thresh, m)
     return thresh
+
+
+def _to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Host tensor `t` on `like`'s device, uploaded without waiting (free on the CPU)."""
+    return t.to(like.device, non_blocking=True)
 
 
 def _apply_top_p(
@@ -87,25 +97,35 @@ def _apply_top_p(
     top_p: torch.Tensor,
     p_sel: torch.Tensor,
 ) -> torch.Tensor:
-    # x: [R, V]; idx: [Rt] rows of x behind vals: [Rt, K]; thresh_k, has_k, top_p, p_sel: [Rt]
+    # x: [R, V]; vals: [Rt, K] and thresh_k: [Rt] on x's device; idx: [Rt] rows of x behind
+    # vals, has_k, top_p, p_sel: [Rt], all four on the host
     masked = vals.masked_fill(vals < thresh_k[:, None], float("-inf"))  # top-k first
-    t_p, covered = top_p_threshold(masked, top_p)
+    t_p, _ = top_p_threshold(masked, _to(top_p, x))
     # With top-k on, every kept token is a candidate and the candidates are the support;
     # without it, the mass of the whole row decides.
     full = p_sel & ~has_k
     if bool(full.any()):
-        xf = x[idx[full]]  # [Rf, V]
+        # Integer rows, not a boolean mask: on a device, indexing by a mask is a sync.
+        rows_f = _to(full.nonzero().squeeze(1), x)  # [Rf] rows of vals
+        xf = x[_to(idx[full], x)]  # [Rf, V]
+        p_full = _to(top_p[full], x)
         total = torch.exp(xf - xf.amax(dim=-1, keepdim=True)).sum(dim=-1)  # [Rf]
-        t_p[full], covered[full] = top_p_threshold(masked[full], top_p[full], total)
-        short = full.clone()
-        short[full] = ~covered[full]
-        if bool(short.any()):
-            # Rare with real model outputs (the best candidates hold < top_p): sort whole rows.
-            rows_x = x[idx[short]]  # [Rs, V]
-            t_p[short], _ = top_p_threshold(
-                rows_x.sort(dim=-1, descending=True).values, top_p[short]
-            )
-    return torch.where(p_sel, torch.maximum(thresh_k, t_p), thresh_k)
+        t_full, covered = top_p_threshold(masked[rows_f], p_full, total)
+        if x.device.type == "cpu":
+            short = ~covered
+            if bool(short.any()):
+                # Rare with real model outputs (the best candidates hold < top_p): sort whole
+                # rows, only those (a 49k-vocab row sort costs ~1.7 ms on CPU).
+                t_full[short], _ = top_p_threshold(
+                    xf[short].sort(dim=-1, descending=True).values, p_full[short]
+                )
+        else:
+            # On a device, asking which rows are short would be a host sync; sorting every
+            # such row there is cheap, and the covered rows keep their candidates' answer.
+            t_sorted, _ = top_p_threshold(xf.sort(dim=-1, descending=True).values, p_full)
+            t_full = torch.where(covered, t_full, t_sorted)
+        t_p[rows_f] = t_full
+    return torch.where(_to(p_sel, x), torch.maximum(thresh_k, t_p), thresh_k)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,22 @@ class AttentionInputs:
         plan = build_plan(block_tables, seq_lens, query_start_loc, block_size, slot_mapping)
         return cls(slot_mapping, block_tables, seq_lens, query_start_loc, plan)
 
+    def to(self, device: torch.device, non_blocking: bool = False) -> AttentionInputs:
+        """The same inputs on `device` (the plan's tensors too); `self` when already there."""
+        if self.slot_mapping.device == device:
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return AttentionInputs(
+            move(self.slot_mapping),
+            move(self.block_tables),
+            move(self.seq_lens),
+            move(self.query_start_loc),
+            self.plan.to(device, non_blocking),
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])

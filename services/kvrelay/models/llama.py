@@ -169,7 +169,14 @@ class CausalLM(nn.Module):
         Raises:
             ValueError: a position is beyond the RoPE table (raise `max_positions`).
         """
-        if positions.numel() and int(positions.max()) >= self.rotary.max_positions:
+        # Checked on CPU inputs only: on an accelerator `int(positions.max())` would be a host
+        # sync in every step. The engine's positions are bounded by max_model_len, which the
+        # loader sizes the RoPE table for, so this guards direct callers, not the engine.
+        if (
+            positions.device.type == "cpu"
+            and positions.numel()
+            and int(positions.max()) >= self.rotary.max_positions
+        ):
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's RoPE table of "
                 f"{self.rotary.max_positions} positions; cap max_model_len or load the model "

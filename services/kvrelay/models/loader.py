@@ -33,6 +33,7 @@ def load_model(
     backend: AttentionBackend,
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the decoder described by `folder/config.json` and load its weights.
 
@@ -43,6 +44,8 @@ def load_model(
         dtype: the dtype of every weight (converted on load).
         max_positions: size of the RoPE table; `max_position_embeddings` when None. Pass the
             engine's max_model_len to keep the table small for long-context checkpoints.
+        device: where the weights go; safetensors reads them straight there (no CPU copy of
+            the whole model on the way), and the RoPE table follows.
 
     Returns:
         The model in eval mode, and its config.
@@ -56,9 +59,11 @@ def load_model(
     folder = Path(folder)
     config = ModelConfig.from_pretrained(folder)
     files = safetensors_files(folder)
+    # safetensors cannot read to meta (tests' shapes-only device): read those on the CPU.
+    read_to = "cpu" if torch.device(device).type == "meta" else str(device)
     hf_weights: dict[str, torch.Tensor] = {}
     for path in files:
-        hf_weights.update(load_file(str(path)))
+        hf_weights.update(load_file(str(path), device=read_to))
     state = convert_hf_state_dict(hf_weights, config, dtype, source=str(folder))
     del hf_weights
     # Built on the meta device: no memory and no random init for weights that the checkpoint
@@ -67,6 +72,9 @@ def load_model(
         model = CausalLM(config, backend, max_positions)
     model.load_state_dict(state, strict=True, assign=True)
     assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
+    # The weights are already there; this moves the RoPE buffers (built on the CPU for
+    # bit-exactness with transformers) and is free on the CPU.
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     logger.info("loaded %s from %s (%d files)", config.architecture, folder, len(files))

@@ -73,7 +73,9 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         # Only half the table is stored: HF's cos/sin repeat it twice along head_dim.
         # Not persistent: they are derived from the config, never loaded from a checkpoint.
-        # The explicit CPU device keeps them real when the model is built on the meta device.
+        # The explicit CPU device keeps them real when the model is built on the meta device,
+        # and matches transformers' CPU arithmetic bit for bit; `model.to(device)` (the
+        # loader) moves them to the weights' device once, so `cos_sin` never crosses devices.
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)

@@ -19,6 +19,16 @@ from kvrelay.worker.actor import EngineWorker
 logger = logging.getLogger(__name__)
 
 
+def worker_num_gpus(device: str, cluster_gpus: float) -> float:
+    """GPUs a worker asks Ray for: one for a CUDA device, and for `auto` when the cluster has
+    any (Ray then shows the actor that one GPU alone, as `cuda`/`cuda:0`); none for the CPU."""
+    if device.startswith("cuda"):
+        return 1
+    if device == "auto":
+        return 1 if cluster_gpus > 0 else 0
+    return 0
+
+
 def spawn_worker(
     engine_args: dict[str, Any],
     role: Role | str,
@@ -42,6 +52,9 @@ def spawn_worker(
     # leases died with it). Calls in flight fail at once (max_task_retries 0): the router
     # retries or migrates them, it does not wait for the restart.
     options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": -1}
+    device = str(engine_args.get("device", "auto"))
+    cluster_gpus = ray.cluster_resources().get("GPU", 0) if device == "auto" else 0
+    options["num_gpus"] = worker_num_gpus(device, cluster_gpus)
     if name is not None:
         options.update(name=name, namespace=namespace, lifetime="detached")
     if resources:

@@ -25,7 +25,12 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> i
 
 
 def allocate_kv_cache(
-    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    model: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """A zeroed KV tensor of `num_blocks` blocks."""
-    return torch.zeros((num_blocks, *kv_block_shape(model, block_size)), dtype=dtype)
+    """A zeroed KV tensor of `num_blocks` blocks on `device`."""
+    shape = (num_blocks, *kv_block_shape(model, block_size))
+    return torch.zeros(shape, dtype=dtype, device=device)

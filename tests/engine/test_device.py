@@ -1,0 +1,205 @@
+"""`--device`: parsing and resolution, the CPU path unchanged, and placement checked on `meta`.
+
+On the meta device tensors have shapes but no data, so anything that reads a value on the
+host (`.item()`, `int(t)`, `.tolist()`, `.cpu()`) raises there; `OnDeviceOnly` also fails any
+op that mixes a meta tensor with a host one (which on CUDA would be an implicit copy, often
+a sync), apart from explicit uploads with `non_blocking=True`. Host-only ops (the step's
+inputs are built on the host) are allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kvrelay.config import EngineConfig, SchedulerConfig
+from kvrelay.engine.args import EngineArgs
+from kvrelay.engine.device import resolve_device, resolve_dtype
+from kvrelay.engine.engine import Engine
+from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.models.loader import load_model
+from kvrelay.worker.pools import worker_num_gpus
+from kvrelay_kernels import select_backend
+from tests.engine.conftest import TINY_VOCAB, hf_greedy, run_to_completion
+
+_aten = torch.ops.aten
+_UPLOADS = {_aten.to, _aten._to_copy, _aten.copy_}
+
+
+class OnDeviceOnly(TorchDispatchMode):
+    """Fails any op that touches a meta tensor together with a host tensor, unless it is an
+    upload with `non_blocking=True`; counts the ops that ran on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meta_ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        if "meta" in devices or kwargs.get("device") == torch.device("meta"):
+            self.meta_ops += 1
+            host = [t for t in tensors if t.device.type == "cpu"]
+            upload = func.overloadpacket in _UPLOADS and _non_blocking(func, args, kwargs)
+            if host and not upload:
+                raise AssertionError(
+                    f"{func} mixes host tensors {[h.shape for h in host]} "
+                    "with the device's: an implicit copy (a sync on CUDA)"
+                )
+        return func(*args, **kwargs)
+
+
+def _non_blocking(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    if "non_blocking" in kwargs:
+        return bool(kwargs["non_blocking"])
+    # Positional: copy_(self, src, non_blocking), to.device(self, device, dtype, non_blocking)
+    position = {_aten.copy_.default: 2, _aten.to.device: 3}.get(func)
+    return position is not None and len(args) > position and bool(args[position])
+
+
+def _greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens)
+
+
+def test_device_names_resolve() -> None:
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu" and resolve_device("meta") == "meta"
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            resolve_device("cuda:0")
+    assert resolve_dtype("auto", "cuda:1") == "bfloat16"
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("float16", "cpu") == "float16"
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig(model="m", model_config=None, device="gpu")  # type: ignore[arg-type]
+
+
+def test_device_flag_through_cli_and_engine_config(tiny_llama_dir: Path) -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert "--device" in parser.format_help()
+    args = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert (args.device, args.dtype) == ("auto", "auto")
+    config = args.create_engine_config(tiny_llama_dir)
+    if not torch.cuda.is_available():
+        assert (config.device, config.dtype) == ("cpu", "float32")  # today's CPU default
+    args = EngineArgs.from_cli_args(parser.parse_args(["--device", "meta", "--dtype", "float16"]))
+    assert args.create_engine_config(tiny_llama_dir).device == "meta"
+    assert worker_num_gpus("cuda:0", 0) == 1 and worker_num_gpus("cpu", 8) == 0
+    assert (worker_num_gpus("auto", 0), worker_num_gpus("auto", 2)) == (0, 1)
+
+
+def test_device_cpu_gives_todays_greedy_tokens(tiny_llama_dir: Path) -> None:
+    """`--device cpu` through EngineArgs: the same tokens as transformers (as test_engine's
+    reference test expects of the default path), weights and cache on the CPU."""
+    engine = EngineArgs(
+        model=str(tiny_llama_dir),
+        device="cpu",
+        num_blocks=64,
+        block_size=4,
+        attention_backend="torch",
+    ).create_engine(with_tokenizer=False)
+    assert engine.kv_tensor.device.type == "cpu" and engine.kv_tensor.dtype == torch.float32
+    prompts = [[5, 17, 99, 3, 42], list(range(3, 30))]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, _greedy(8))
+    done = run_to_completion(engine)
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)][0] == hf_greedy(tiny_llama_dir, prompt, 8)
+
+
+@pytest.fixture
+def meta_engine(tiny_llama_dir: Path) -> Iterator[Engine]:
+    """The tiny model, its KV cache and every step tensor on the meta device."""
+    model, model_config = load_model(tiny_llama_dir, select_backend("torch"), device="meta")
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    config = EngineConfig(
+        model=str(tiny_llama_dir),
+        model_config=model_config,
+        # 8-token steps: prompts are chunked, so later chunks attend to earlier context
+        # (the reference's causal-mask path) and steps mix prefill chunks with decodes.
+        scheduler=SchedulerConfig(max_num_batched_tokens=8),
+        device="meta",
+    )
+    yield Engine(config, model, tokenizer=None)
+
+
+def test_engine_steps_on_meta_never_touch_the_host(
+    meta_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole engine steps (prefill chunks, then decodes with mixed context lengths) on meta:
+    the forward pass, the logits and the sampler up to its one sync per step (the sampled ids
+    read back) run without reading a device value on the host or mixing devices. Only that
+    one read is replaced: meta has no values, so each step pretends token 7 was sampled."""
+    sampler = meta_engine.runner.sampler
+    calls: list[int] = []
+
+    def sample(logits: torch.Tensor, rows: list[SamplingRow], u: torch.Tensor) -> SamplerOutput:
+        tokens, (_, logprobs) = sampler.sample_on_device(logits, rows, u)
+        assert logits.is_meta and tokens.is_meta and tokens.shape == (len(rows),)
+        assert logprobs is None or logprobs.is_meta
+        calls.append(len(rows))
+        return SamplerOutput([7] * len(rows), [None] * len(rows))
+
+    monkeypatch.setattr(sampler, "sample", sample)
+    meta_engine.add_request("a", list(range(3, 20)), _greedy(4))
+    meta_engine.add_request(
+        "b", [4, 5, 6], SamplingParams(temperature=0.8, top_p=0.9, top_k=5, max_tokens=4, seed=1)
+    )
+    meta_engine.add_request(
+        "c", [9] * 6, SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, max_tokens=4)
+    )
+    mode = OnDeviceOnly()
+    with mode:
+        done = run_to_completion(meta_engine)
+    assert sorted(done) == ["a", "b", "c"] and all(d[0] == [7] * 4 for d in done.values())
+    assert len(calls) >= 4 and mode.meta_ops > 100
+
+
+def test_sampler_on_meta_up_to_its_one_sync() -> None:
+    """Every sampling feature (penalties, min_tokens, temperature, top-k / top-p / min-p,
+    logprobs) runs on the logits' device; `sample` then reads the ids back once."""
+    rows = [
+        SamplingRow(_greedy(1), [1, 2], [3], None, (2,)),
+        SamplingRow(
+            SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1, logprobs=3),
+            [4],
+            [],
+            torch.Generator().manual_seed(3),
+            (2,),
+        ),
+        SamplingRow(
+            SamplingParams(
+                temperature=1.2,
+                top_k=4,
+                frequency_penalty=0.4,
+                repetition_penalty=1.1,
+                min_tokens=2,
+            ),
+            [5, 6],
+            [7],
+            None,
+            (2,),
+        ),
+    ]
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    logits = torch.randn(3, TINY_VOCAB)
+    on_meta = logits.to("meta")
+    with OnDeviceOnly() as mode:
+        uniforms = sampler.draw_uniforms(rows)  # host RNG: see sampler.py
+        tokens, (idx, logprobs) = sampler.sample_on_device(on_meta, rows, uniforms)
+    assert tokens.is_meta and logprobs is not None and logprobs.is_meta and idx == [1]
+    assert mode.meta_ops > 20
+    cpu = sampler.sample(logits, rows, uniforms)  # the same rows, on the CPU, to the end
+    assert len(cpu.token_ids) == 3 and cpu.logprobs[1] is not None
