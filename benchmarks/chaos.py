@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from fuzz_soak import Stats, stream_text
+from serving.outcomes import Stats, stream_text
 from serving.servers import RunningServer, ServerSpec, free_port
 
 PROMPTS = (

@@ -21,11 +21,8 @@ regression tests; benchmarks import nothing from tests).
 from __future__ import annotations
 
 import argparse
-import collections
-import itertools
 import json
 import math
-import os
 import random
 import shutil
 import statistics
@@ -33,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +39,11 @@ import httpx
 from tqdm import tqdm
 
 from kvrelay.v1 import generation_pb2 as pb
+from serving.outcomes import COMPLETIONS, Stats, is_failure, stream_text
+from serving.processes import listening_pid, rss_snapshot
 from serving.servers import RunningServer, ServerSpec, free_port
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+CHAT = "/v1/chat/completions"
 GENERATE = "/kvrelay.v1.Generation/Generate"
 VICTIM = {"prompt": "The capital of France is Paris. The capital of Italy is", "max_tokens": 24,
           "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -56,8 +55,6 @@ FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "
           "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
           "stop_token_ids", "stream", "echo", "best_of", "stop", "prompt")  # fmt: skip
 ROLES = ("tool", "bogus", "", "SYSTEM", "user", "developer")
-# Server-side failures: any of them fails the soak.
-GRPC_FAILURES = {"UNKNOWN", "INTERNAL"}
 
 
 def _bad_value(rng: random.Random) -> str:
@@ -146,61 +143,6 @@ def _grpc_request(rng: random.Random) -> Any:
     return pb.GenerateRequest(prompt="Hello", request_id=request_id, sampling=options)
 
 
-@dataclass
-class Stats:
-    """What every client saw, shared by the threads (appends and Counter updates under a lock)."""
-
-    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
-    gaps_s: dict[str, list[float]] = field(default_factory=lambda: {"clean": [], "hostile": []})
-    victim_runs: list[list[str]] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)  # first few server-side failures
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def count(self, outcome: str, detail: str = "") -> None:
-        with self.lock:
-            self.outcomes[outcome] += 1
-            if is_failure(outcome) and len(self.failures) < 10:
-                self.failures.append(f"{outcome}: {detail[:300]}")
-
-
-def is_failure(outcome: str) -> bool:
-    kind, _, code = outcome.partition(" ")
-    return (
-        (kind == "HTTP" and code.isdigit() and int(code) >= 500)
-        or (kind == "gRPC" and code in GRPC_FAILURES)
-        or outcome.startswith("broken")
-    )
-
-
-def stream_text(
-    client: httpx.Client, url: str, payload: dict[str, Any], stats: Stats
-) -> tuple[list[str], list[float]] | None:
-    """A streamed completion's text pieces and inter-token gaps; None when it was refused or
-    broken (counted either way)."""
-    pieces: list[str] = []
-    arrivals: list[float] = []
-    try:
-        with client.stream("POST", url + COMPLETIONS, json=payload, timeout=300) as reply:
-            if reply.status_code != 200:
-                stats.count(f"HTTP {reply.status_code}", reply.read().decode(errors="replace"))
-                return None
-            for line in reply.iter_lines():
-                data = line[len("data:") :].strip() if line.startswith("data:") else ""
-                if not data or data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    stats.count("broken stream (error event)", data)
-                    return None
-                arrivals.append(time.monotonic())
-                pieces.extend(c["text"] for c in chunk["choices"] if c["text"])
-    except httpx.HTTPError as exc:
-        stats.count("broken connection (HTTP)", repr(exc))
-        return None
-    stats.count("HTTP 200")
-    return pieces, [b - a for a, b in itertools.pairwise(arrivals)]
-
-
 def send_http(
     client: httpx.Client, url: str, method: str, path: str, body: bytes, stats: Stats
 ) -> None:
@@ -277,74 +219,6 @@ def victim(target: Target, stats: Stats, stop: threading.Event) -> None:
                     stats.victim_runs.append(result[0])
             else:
                 stop.wait(0.2)
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(name, parent pid) from /proc/PID; None once the process is gone. The name is the
-    command line's first words (Ray titles its workers `ray::EngineWorker...`)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    words = [Path(a.decode(errors="replace")).name for a in argv[:4] if a and a != b"-m"]
-    name = " ".join(words) or stat[stat.index("(") + 1 : stat.rindex(")")]
-    return name, int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def process_tree(root: int) -> dict[int, str]:
-    """The server process and all its descendants (Ray's raylet, GCS and workers), by pid."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None:
-            names[int(entry.name)] = stat[0]
-            children[stat[1]].append(int(entry.name))
-    tree, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in names:
-            tree[pid] = names[pid]
-            todo.extend(children[pid])
-    return tree
-
-
-def listening_pid(port: int) -> int | None:
-    """The process listening on a loopback TCP port (for --url): socket inode -> owner."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in itertools.islice(f, 1, None):
-                cols = line.split()
-                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # LISTEN
-                    inodes.add(cols[9])
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
-        except OSError:
-            continue
-        if any(link == f"socket:[{inode}]" for link in links for inode in inodes):
-            return int(entry.name)
-    return None
-
-
-def rss_snapshot(root: int | None) -> dict[int, tuple[str, float]]:
-    if root is None:
-        return {}
-    return {pid: (name, rss) for pid, name in process_tree(root).items()
-            if (rss := rss_mib(pid)) is not None}  # fmt: skip
 
 
 @dataclass

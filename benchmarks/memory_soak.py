@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from fuzz_soak import listening_pid, process_tree, rss_mib
+from serving.processes import listening_pid, process_tree, rss_mib
 from serving.servers import RunningServer, ServerSpec, free_port
 
 JOINED = re.compile(r"worker (\S+) \((\w+), pid (\d+)\) joined")
