@@ -41,7 +41,9 @@ prometheus:
 	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
 
 # Compile every CUDA kernel with nvcc for sm_80 and sm_90 (no GPU needed); fails on any error
-# or register spill and prints the registers / shared memory table.
+# or register spill and prints the registers / shared memory table. Without nvcc on the PATH it
+# pip-installs NVIDIA's CUDA 13.0 compiler wheels once into ~/.cache/kvrelay/cuda-toolchain
+# ($$KVRELAY_CUDA_TOOLCHAIN to move it) and compiles with those.
 kernels-check: | $(PY)
 	$(PY) kernels/csrc/check_kernels.py --jobs 2
 
