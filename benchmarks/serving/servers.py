@@ -35,10 +35,18 @@ class ServerSpec:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request
 
 
-def kvrelay_spec(name: str, kvrelay_bin: str, colocated: bool, model: str | None) -> ServerSpec:
+def kvrelay_spec(
+    name: str,
+    kvrelay_bin: str,
+    colocated: bool,
+    model: str | None,
+    extra_args: tuple[str, ...] = (),
+) -> ServerSpec:
+    """`kvrelay serve` on free loopback ports; `extra_args` go on its command line as given."""
     http_port, grpc_port = free_port(), free_port()
     command = [kvrelay_bin, "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     command += (["--model", model] if model else []) + (["--colocated"] if colocated else [])
+    command += list(extra_args)
     return ServerSpec(name, command, f"http://127.0.0.1:{http_port}", "/health")
 
 

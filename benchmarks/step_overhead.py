@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""What serving costs on top of the engine: one stream's offline decode step time against its
+time per output token through `kvrelay serve`, per dtype, measured in one run (issue 15).
+
+For each dtype the offline engine (kvrelay.llm.LLM, in this process) decodes one greedy stream
+and every decode step is timed; then `kvrelay serve` (disaggregated and/or colocated) is
+started with the same model and dtype and the same stream is sent over HTTP; its TPOT is the
+time from the first to the last token over the tokens in between. Medians of --repeats runs.
+The target: serving TPOT within 10% of the offline step (a ratio <= 1.10).
+
+    .venv/bin/python benchmarks/step_overhead.py
+    .venv/bin/python benchmarks/step_overhead.py --dtypes float32 --modes colocated --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from serving.servers import RunningServer, kvrelay_spec
+
+PROMPT = "The history of the printing press begins"
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class Row:
+    dtype: str
+    offline_ms: float  # median decode step of the offline engine
+    mode: str
+    tpot_ms: float  # median time per output token through the server
+
+    @property
+    def ratio(self) -> float:
+        return self.tpot_ms / self.offline_ms
+
+
+def offline_step_ms(model: str | None, dtype: str, tokens: int, repeats: int) -> float:
+    """Median wall time of one decode step of a single greedy stream, engine only."""
+    from kvrelay import SamplingParams
+    from kvrelay.llm import LLM
+
+    llm = LLM(model, dtype=dtype)
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    steps: list[float] = []
+    for run in tqdm(range(repeats + 1), desc=f"offline {dtype}", unit="run"):
+        engine.add_request(f"offline-{run}", prompt, params)
+        engine.step()  # the prefill step (and its first token) is not a decode step
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        if run:  # the first run warms caches and oneDNN's primitives
+            steps.append(statistics.median(times))
+    del llm, engine
+    gc.collect()
+    return 1000 * statistics.median(steps)
+
+
+def served_tpot_ms(base_url: str, tokens: int) -> float:
+    """One streamed completion's time per output token after the first, in ms."""
+    payload = {"prompt": PROMPT, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
+               "temperature": 0, "stream": True}  # fmt: skip
+    arrivals: list[float] = []
+    with httpx.stream("POST", base_url + "/v1/completions", json=payload, timeout=600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            data = line.removeprefix("data:").strip()
+            if not data or data == "[DONE]":
+                continue
+            if any(c.get("text") for c in json.loads(data).get("choices", [])):
+                arrivals.append(time.perf_counter())
+    if len(arrivals) < 2:
+        raise RuntimeError(f"the server streamed {len(arrivals)} token chunks, expected {tokens}")
+    return 1000 * (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+
+
+def serving_tpot_ms(args: argparse.Namespace, dtype: str, mode: str, log_dir: Path) -> float:
+    kvrelay_bin = shutil.which("kvrelay") or str(Path(sys.executable).parent / "kvrelay")
+    spec = kvrelay_spec(f"kvrelay {mode} {dtype}", kvrelay_bin, mode == "colocated",
+                        args.model, ("--dtype", dtype))  # fmt: skip
+    with RunningServer(spec, log_dir, ready_timeout=300) as server:
+        served_tpot_ms(server.spec.base_url, 8)  # warm-up
+        progress = tqdm(range(args.repeats), desc=f"serving {mode} {dtype}", unit="run")
+        runs = [served_tpot_ms(server.spec.base_url, args.tokens) for _ in progress]
+    return statistics.median(runs)
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| dtype | offline step (ms) | serving mode | serving TPOT (ms) | overhead (ms) "
+        "| TPOT / step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.dtype} | {r.offline_ms:.1f} | {r.mode} | {r.tpot_ms:.1f} | "
+            f"{r.tpot_ms - r.offline_ms:+.1f} | {r.ratio:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="model path (default: the embedded one)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated serving modes: disaggregated, colocated")  # fmt: skip
+    parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    args = parser.parse_args(argv)
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(args.modes) - set(MODES):
+        parser.error(f"unknown --modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="step-overhead-") as logs:
+        for dtype in args.dtypes:
+            offline = offline_step_ms(args.model, dtype, args.tokens, args.repeats)
+            for mode in args.modes:
+                tpot = serving_tpot_ms(args, dtype, mode, Path(logs))
+                rows.append(Row(dtype, offline, mode, tpot))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""benchmarks/step_overhead.py: its two measurements on real parts (the embedded model offline,
+the session's server over HTTP), its table, and its refusal of an unknown serving mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.servers import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "step_overhead.py"
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    sys.path.insert(0, str(SCRIPT.parent))  # its `serving` package lives there
+    try:
+        spec = importlib.util.spec_from_file_location("step_overhead", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["step_overhead"] = module  # its dataclass looks its module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_help_names_the_options() -> None:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    for flag in ("--dtypes", "--modes", "--tokens", "--repeats", "--model"):
+        assert flag in out.stdout
+
+
+def test_unknown_mode_is_refused(script: ModuleType) -> None:
+    with pytest.raises(SystemExit):
+        script.parse_args(["--modes", "colocated,sideways"])
+    assert script.parse_args(["--modes", "colocated"]).modes == ["colocated"]
+
+
+def test_table_reports_overhead_and_ratio(script: ModuleType) -> None:
+    text = script.table([script.Row("float32", 20.0, "colocated", 25.0)])
+    assert "| float32 | 20.0 | colocated | 25.0 | +5.0 | 1.25x |" in text
+
+
+def test_offline_step_is_timed_on_the_embedded_model(script: ModuleType) -> None:
+    step_ms = script.offline_step_ms(None, "float32", tokens=6, repeats=1)
+    assert 0.1 < step_ms < 10_000
+
+
+@pytest.mark.e2e
+def test_served_tpot_comes_from_a_real_stream(
+    script: ModuleType, kvrelay_server: ServerProcess
+) -> None:
+    tpot_ms = script.served_tpot_ms(kvrelay_server.http_url, 6)
+    assert 0.1 < tpot_ms < 10_000
