@@ -18,6 +18,7 @@ __global__ void __launch_bounds__(128) write_kv_kernel(const WriteKVParams p) {
   const int64_t slot = p.slot_mapping[token];
   if (slot < 0) return;  // a padding token owns no slot
   const int64_t block = slot / p.block_size;
+  if (block >= p.num_blocks) return;  // never write outside the cache (checked on the host too)
   const int64_t offset = slot % p.block_size;
   T* k_dst = static_cast<T*>(p.kv_cache) + block * p.cache.block + p.layer * p.cache.layer +
              offset * p.cache.token;

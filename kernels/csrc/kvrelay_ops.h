@@ -69,11 +69,15 @@ struct WriteKVParams {
   void* kv_cache;
   CacheStrides cache;
   int64_t layer;
-  const int64_t* slot_mapping;  // [num_tokens]; negative slots are skipped
+  // [num_tokens]; negative slots (padding, e.g. a CUDA graph's unused rows) write nowhere.
+  // Slots are checked against the cache on the host when the step is planned; the kernel
+  // also skips any slot past `num_blocks` rather than write outside the cache.
+  const int64_t* slot_mapping;
   int num_tokens;
   int num_kv_heads;
   int head_dim;
   int block_size;
+  int64_t num_blocks;
 };
 
 // Scatters new keys and values (same dtype as the cache) into their slots.

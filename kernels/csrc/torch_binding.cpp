@@ -59,10 +59,16 @@ int64_t decode_num_partitions(int64_t max_seq_len, int64_t num_seqs, int64_t num
 
 // out, query: [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] and
 // seq_lens [num_seqs] int32; max_seq_len: the longest of seq_lens, known to the host already.
+// num_partitions > 0 fixes the split-K count (a CUDA graph's launch shape must not change;
+// any count is correct for contexts up to num_partitions * kPartitionSize, and 1 for any
+// context); <= 0 lets decode_num_partitions decide. workspace, when given, is the fp32
+// split-K scratch (at least num_seqs * num_heads * num_partitions * (head_dim + 2) floats),
+// so nothing is allocated per call.
 void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
                             const torch::Tensor& kv_cache, int64_t layer,
                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                            int64_t max_seq_len, double scale) {
+                            int64_t max_seq_len, double scale, int64_t num_partitions,
+                            const c10::optional<torch::Tensor>& workspace) {
   TORCH_CHECK(query.is_cuda() && kv_cache.is_cuda(), "tensors must be on a CUDA device");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [seqs, heads, dim]");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must match query");
@@ -105,14 +111,27 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
   p.block_size = kv_cache.size(3);
   p.scale = static_cast<float>(scale);
   p.partition_size = kvrelay::kPartitionSize;
-  p.num_partitions = static_cast<int>(decode_num_partitions(
-      max_seq_len, num_seqs, num_kv_heads, num_heads / num_kv_heads,
-      sm_count(query.get_device())));
-  torch::Tensor workspace;
+  p.num_partitions = static_cast<int>(
+      num_partitions > 0 ? num_partitions
+                         : decode_num_partitions(max_seq_len, num_seqs, num_kv_heads,
+                                                 num_heads / num_kv_heads,
+                                                 sm_count(query.get_device())));
+  TORCH_CHECK(p.num_partitions == 1 ||
+                  static_cast<int64_t>(p.num_partitions) * kvrelay::kPartitionSize >= max_seq_len,
+              "num_partitions ", p.num_partitions, " cannot cover a context of ", max_seq_len);
+  torch::Tensor scratch;
   if (p.num_partitions > 1) {
     const int64_t rows = static_cast<int64_t>(num_seqs) * num_heads * p.num_partitions;
-    workspace = torch::empty({rows * (head_dim + 2)}, query.options().dtype(torch::kFloat));
-    p.partial_out = workspace.data_ptr<float>();
+    if (workspace.has_value()) {
+      scratch = *workspace;
+      TORCH_CHECK(scratch.is_cuda() && scratch.scalar_type() == torch::kFloat &&
+                      scratch.is_contiguous() && scratch.numel() >= rows * (head_dim + 2),
+                  "workspace must be contiguous fp32 of at least ", rows * (head_dim + 2),
+                  " elements");
+    } else {
+      scratch = torch::empty({rows * (head_dim + 2)}, query.options().dtype(torch::kFloat));
+    }
+    p.partial_out = scratch.data_ptr<float>();
     p.partial_max = p.partial_out + rows * head_dim;
     p.partial_sum = p.partial_max + rows;
   }
@@ -136,6 +155,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be contiguous int64");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "one slot per token");
   const c10::cuda::CUDAGuard guard(key.device());
   kvrelay::WriteKVParams p{};
   p.key = key.data_ptr();
@@ -152,6 +172,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   p.num_kv_heads = key.size(1);
   p.head_dim = key.size(2);
   p.block_size = kv_cache.size(3);
+  p.num_blocks = kv_cache.size(0);
   check_cuda(kvrelay::write_kv(p, dtype_of(kv_cache), at::cuda::getCurrentCUDAStream()),
              "write_kv");
 }

@@ -1,6 +1,6 @@
 """The `cuda` backend: kvrelay's CUDA C++ kernels (kernels/csrc) for decode attention,
 `write_kv` and `copy_blocks`; prefill chunks go to the Triton kernel when triton is present,
-else to the torch reference.
+else to the torch reference. A mixed step runs both kernels, each on its own rows.
 
 The torch binding is JIT-built (torch.utils.cpp_extension, cached by torch) on the first use
 on a machine with CUDA; nothing is attempted without one. CPU tensors (an engine keeping its
@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from kvrelay_kernels import reference, triton_backend
-from kvrelay_kernels.plan import AttentionPlan
+from kvrelay_kernels.counters import COUNTERS
+from kvrelay_kernels.plan import AttentionPlan, build_plan
+from kvrelay_kernels.split import split_attention
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +106,18 @@ def decode_attention(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    num_partitions: int = 0,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention by the CUDA kernel: `query` `[num_seqs, num_heads, head_dim]`, one
     token per sequence, `seq_lens` its context (own token included), `max_seq_len` their
-    maximum (a host value, so no device sync), `out` contiguous when given."""
+    maximum (a host value, so no device sync), `out` contiguous when given.
+
+    `num_partitions` > 0 fixes the split-K count (CUDA graphs: the launch shape must not
+    change between replays), and `workspace` (fp32, `split_workspace_numel` elements) is
+    the split-K scratch reused instead of allocated per call; 0 lets the kernel decide.
+    """
     module = load_extension()
     assert module is not None, "decode_attention needs the CUDA kernels (is_available())"
     if out is None:
@@ -115,8 +126,16 @@ def decode_attention(
     lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
     if tables.stride(1) != 1:
         tables = tables.contiguous()
-    module.paged_decode_attention(out, query, kv_cache, layer, tables, lens, max_seq_len, scale)
+    COUNTERS.cuda_decode_calls += 1
+    module.paged_decode_attention(
+        out, query, kv_cache, layer, tables, lens, max_seq_len, scale, num_partitions, workspace
+    )
     return out
+
+
+def split_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, partitions: int) -> int:
+    """fp32 elements of the split-K scratch: partial outputs, maxima and sums per partition."""
+    return num_seqs * num_heads * partitions * (head_dim + 2)
 
 
 def paged_attention(
@@ -131,39 +150,61 @@ def paged_attention(
     plan: AttentionPlan | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same meaning as `reference.paged_attention`."""
+    """Same meaning as `reference.paged_attention`. Decode rows go to the CUDA decode kernel
+    and prefill rows to the Triton varlen kernel, in one step (split.py); shapes without a
+    compiled decode kernel send the whole batch to Triton (else the torch reference)."""
     args = (query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale)
     if not kv_cache.is_cuda:
         return reference.paged_attention(*args, plan=plan, out=out)
     if plan is None:
-        from kvrelay_kernels.plan import build_plan
-
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
-    if plan.prefills or not _decode_supported(query, kv_cache) or load_extension() is None:
-        # Prefill chunks (and shapes without a compiled kernel): one varlen Triton launch.
+    decodes_here = (
+        plan.has_decodes and _decode_supported(query, kv_cache) and load_extension() is not None
+    )
+    if not decodes_here:
         if triton_backend.is_available():
+            COUNTERS.triton_prefill_calls += bool(plan.prefills)
             return triton_backend.paged_attention(*args, plan=plan, out=out)
         return reference.paged_attention(*args, plan=plan, out=out)
-    assert plan.decode_block_tables is not None and plan.decode_lens is not None
-    rows = plan.decode_token_idx
-    if rows is None:  # every row a decode, in order: the step's own tables fit as they are
-        tables, lens = block_tables, seq_lens
-    else:
-        tables, lens = plan.decode_block_tables, plan.decode_lens
-    direct = rows is None and (out is None or out.is_contiguous())
-    result = decode_attention(
-        query if rows is None else query[rows],
-        kv_cache,
-        layer,
-        tables,
-        lens,
-        plan.decode_context,
-        scale,
-        out=out if direct else None,
-    )
-    if direct:
+
+    def decode(
+        q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, into: torch.Tensor | None
+    ) -> torch.Tensor:
+        return decode_attention(
+            q, kv_cache, layer, tables, lens, plan.decode_context, scale, out=into
+        )
+
+    if out is not None and not out.is_contiguous():
+        # The decode kernel writes contiguous rows; a strided `out` gets the result copied.
+        return out.copy_(paged_attention(*args, plan=plan))
+    if not plan.prefills or not triton_backend.is_available():
+        result = split_attention(
+            query, block_tables, seq_lens, query_start_loc, replace(plan, prefills=()), out,
+            decode, _no_prefill,
+        )  # fmt: skip
+        if plan.prefills:  # no Triton here: the reference computes the prefill rows
+            reference.prefill_attention(query, kv_cache, layer, plan, scale, result)
         return result
-    return reference.place_decode_rows(query, rows, result, out)
+
+    def prefill(
+        q: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        qsl: torch.Tensor,
+        into: torch.Tensor | None,
+    ) -> torch.Tensor:
+        COUNTERS.triton_prefill_calls += 1
+        return triton_backend.paged_attention(
+            q, kv_cache, layer, tables, lens, qsl, scale, out=into
+        )
+
+    return split_attention(
+        query, block_tables, seq_lens, query_start_loc, plan, out, decode, prefill
+    )
+
+
+def _no_prefill(*_: object) -> torch.Tensor:
+    raise AssertionError("a decode-only plan has no prefill rows")
 
 
 def write_kv(

@@ -1,14 +1,24 @@
 """Per-step attention metadata, digested once and shared by every layer.
 
 Splitting the batch into decode tokens (one query each, batched together) and prefill chunks
-(one causal attention each) is what keeps the torch path free of per-token Python loops.
+(one causal attention each) is what keeps the torch path free of per-token Python loops. The
+same split lets the `cuda` backend send decode rows to its decode kernel and prefill rows to
+the Triton varlen kernel in one step: the plan says where each kind's rows and sequences are,
+as plain spans when they are contiguous (views, no copy) and as index tensors otherwise.
+
+Everything here is computed on the host, from host tensors, once per step: reading a value of
+a device tensor would be a sync. That is also where slots are bounds-checked (`num_slots`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
+
+Span = tuple[int, int]  # [start, end) of rows or sequences
 
 
 @dataclass(frozen=True)
@@ -41,31 +51,48 @@ class AttentionPlan:
     prefills: tuple[PrefillChunk, ...]
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context of each decode
     # Where `write_kv` puts each new token, split once per step instead of once per layer;
-    # None when the plan was built without a slot mapping.
-    slot_blocks: torch.Tensor | None = None  # [T] int64
-    slot_offsets: torch.Tensor | None = None  # [T] int64
+    # None when the plan was built without a slot mapping. With padding (negative) slots
+    # they describe the kept tokens only, `slot_keep` their rows.
+    slot_blocks: torch.Tensor | None = None  # [kept] int64
+    slot_offsets: torch.Tensor | None = None  # [kept] int64
+    slot_keep: torch.Tensor | None = None  # [kept] int64 rows; None when no slot is padding
+    # The split, for backends that run decodes and prefills with different kernels. Spans are
+    # set when that kind's sequences (and so their query rows) are contiguous.
+    decode_rows: Span | None = None
+    decode_seqs: Span | None = None
+    decode_seq_idx: torch.Tensor | None = None  # [num_decodes] int64 when not a span
+    prefill_rows: Span | None = None
+    prefill_seqs: Span | None = None
+    # When the prefills are not contiguous (and the step has decodes too): their query rows,
+    # their sequences, and their query offsets re-based to the gathered rows.
+    prefill_token_idx: torch.Tensor | None = None  # [prefill tokens] int64
+    prefill_seq_idx: torch.Tensor | None = None  # [num_prefills] int64
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] int32
 
     @property
     def has_decodes(self) -> bool:
         return self.decode_block_tables is not None
 
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> AttentionPlan:
+        """The plan with `fn` applied to every tensor (its ints and spans unchanged)."""
+        changes: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = fn(value)
+        changes["prefills"] = tuple(replace(c, block_ids=fn(c.block_ids)) for c in self.prefills)
+        return replace(self, **changes)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the plan, in `map_tensors` order."""
+        found: list[torch.Tensor] = []
+        self.map_tensors(lambda t: found.append(t) or t)  # type: ignore[func-returns-value]
+        return found
+
     def to(self, device: torch.device, non_blocking: bool = False) -> AttentionPlan:
         """The plan with every tensor on `device`; its ints (query spans, context lengths)
         stay Python values, so kernels read them without a host sync."""
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-
-        return AttentionPlan(
-            move(self.decode_token_idx),
-            move(self.decode_block_tables),
-            move(self.decode_mask),
-            self.decode_context,
-            tuple(c.to(device, non_blocking) for c in self.prefills),
-            move(self.decode_lens),
-            move(self.slot_blocks),
-            move(self.slot_offsets),
-        )
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,24 +102,63 @@ def split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tens
     return blocks, slot_mapping - blocks * block_size
 
 
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> bool:
+    """Whether any slot is padding (negative), after checking on the host that none is past
+    the cache (`num_slots` = blocks x block size): a CUDA `write_kv` trusts its slots.
+
+    Raises:
+        ValueError: a slot at or past `num_slots`.
+    """
+    if slot_mapping.numel() == 0:
+        return False
+    low, high = (int(v) for v in torch.aminmax(slot_mapping))
+    if high >= num_slots:
+        raise ValueError(
+            f"slot {high} is outside the KV cache's {num_slots} slots: a block id past "
+            "the cache's blocks (the block table and the cache disagree)"
+        )
+    return low < 0
+
+
+def _span(values: list[int]) -> Span | None:
+    """[first, last + 1) when `values` are consecutive, else None."""
+    if values and values[-1] - values[0] == len(values) - 1:
+        return (values[0], values[-1] + 1)
+    return None
+
+
 def build_plan(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     block_size: int,
     slot_mapping: torch.Tensor | None = None,
+    *,
+    num_slots: int | None = None,
 ) -> AttentionPlan:
     """Digest the step's metadata (see `paged_attention` for the meaning of each argument).
 
-    With `slot_mapping` (no negative slots), `write_kv` reuses its block / offset split.
+    With `slot_mapping`, `write_kv` reuses its block / offset split; padding (negative) slots
+    are dropped there by `slot_keep`, without a device sync. With `num_slots`, slots are
+    checked against the cache's size (`check_slots`).
     """
-    slot_blocks = slot_offsets = None
-    if slot_mapping is not None and (slot_mapping.numel() == 0 or int(slot_mapping.min()) >= 0):
-        slot_blocks, slot_offsets = split_slots(slot_mapping.to(torch.int64), block_size)
+    slot_blocks = slot_offsets = slot_keep = None
+    if slot_mapping is not None:
+        padded = (
+            check_slots(slot_mapping, num_slots)
+            if num_slots is not None
+            else bool(slot_mapping.numel()) and int(slot_mapping.min()) < 0
+        )
+        kept = slot_mapping.to(torch.int64)
+        if padded:
+            slot_keep = torch.nonzero(kept >= 0).flatten()
+            kept = kept[slot_keep]
+        slot_blocks, slot_offsets = split_slots(kept, block_size)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
+    prefill_seqs: list[int] = []
     prefills: list[PrefillChunk] = []
     for i, context_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
@@ -103,8 +169,13 @@ def build_plan(
         elif q_end > q_start:
             ids = block_tables[i, :num_blocks].to(torch.int64)
             prefills.append(PrefillChunk(q_start, q_end, context_len, ids))
+            prefill_seqs.append(i)
+    split = _prefill_split(prefill_seqs, starts, bool(decode_seqs))
     if not decode_seqs:
-        return AttentionPlan(None, None, None, 0, tuple(prefills), None, slot_blocks, slot_offsets)
+        return AttentionPlan(
+            None, None, None, 0, tuple(prefills), None, slot_blocks, slot_offsets, slot_keep,
+            **split,
+        )  # fmt: skip
     dec_lens = [lens[i] for i in decode_seqs]
     longest = max(dec_lens)
     max_blocks = -(-longest // block_size)
@@ -118,6 +189,34 @@ def build_plan(
     rows = None
     if decode_rows != list(range(starts[-1])):
         rows = torch.tensor(decode_rows, dtype=torch.int64)
+    seq_span = _span(decode_seqs)
     return AttentionPlan(
-        rows, tables, mask, longest, tuple(prefills), lens_t, slot_blocks, slot_offsets
-    )
+        rows, tables, mask, longest, tuple(prefills), lens_t, slot_blocks, slot_offsets,
+        slot_keep,
+        decode_rows=(decode_rows[0], decode_rows[0] + len(decode_rows)) if seq_span else None,
+        decode_seqs=seq_span,
+        decode_seq_idx=None if seq_span else seq_idx,
+        **split,
+    )  # fmt: skip
+
+
+def _prefill_split(prefill_seqs: list[int], starts: list[int], mixed: bool) -> dict[str, Any]:
+    """The prefills' rows and sequences: spans when contiguous; index tensors otherwise (only
+    needed when decodes share the step: a prefill-only step runs the whole batch as one)."""
+    if not prefill_seqs:
+        return {}
+    span = _span(prefill_seqs)
+    if span is not None:
+        return {"prefill_seqs": span, "prefill_rows": (starts[span[0]], starts[span[1]])}
+    if not mixed:
+        return {}
+    rows = [r for i in prefill_seqs for r in range(starts[i], starts[i + 1])]
+    q_lens = [starts[i + 1] - starts[i] for i in prefill_seqs]
+    offsets = [0]
+    for n in q_lens:
+        offsets.append(offsets[-1] + n)
+    return {
+        "prefill_token_idx": torch.tensor(rows, dtype=torch.int64),
+        "prefill_seq_idx": torch.tensor(prefill_seqs, dtype=torch.int64),
+        "prefill_query_start_loc": torch.tensor(offsets, dtype=torch.int32),
+    }

@@ -31,10 +31,14 @@ def write_kv(
         slot_mapping: `[num_tokens]` int64 slot of each token; negative slots are skipped
             (padding tokens that own no slot).
         plan: the step's plan; when it carries the slots' block / offset split (built with
-            the same `slot_mapping`), it is reused instead of recomputed per layer.
+            the same `slot_mapping`), it is reused instead of recomputed per layer, and its
+            `slot_keep` drops padding tokens without reading a slot on the host (on a device,
+            the plan-less path syncs to find them).
     """
     if plan is not None and plan.slot_blocks is not None and plan.slot_offsets is not None:
         blocks, offsets = plan.slot_blocks, plan.slot_offsets
+        if plan.slot_keep is not None:
+            key, value = key.index_select(0, plan.slot_keep), value.index_select(0, plan.slot_keep)
     else:
         if slot_mapping.numel() and int(slot_mapping.min()) < 0:
             keep = slot_mapping >= 0

@@ -80,7 +80,10 @@ class BatchInputs:
 
 
 def build_batch_inputs(
-    chunks: Sequence[ScheduledChunk], block_tables: Sequence[list[int]], block_size: int
+    chunks: Sequence[ScheduledChunk],
+    block_tables: Sequence[list[int]],
+    block_size: int,
+    num_blocks: int | None = None,
 ) -> BatchInputs:
     """Flatten the chunks into token, position, slot and block-table tensors, on the host (the
     plan reads their values: on a device that would be a sync); `BatchInputs.to` uploads."""
@@ -107,6 +110,7 @@ def build_batch_inputs(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
         block_size=block_size,
+        num_blocks=num_blocks,
     )
     return BatchInputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64),
@@ -148,7 +152,9 @@ class ModelRunner:
             self.model.backend.copy_blocks(
                 self.kv_cache, src.to(dev, non_blocking=True), dst.to(dev, non_blocking=True)
             )
-        inputs = build_batch_inputs(chunks, block_tables, self.block_size).to(self.device)
+        inputs = build_batch_inputs(
+            chunks, block_tables, self.block_size, self.kv_cache.shape[0]
+        ).to(self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:

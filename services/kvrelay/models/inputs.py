@@ -35,11 +35,15 @@ class AttentionInputs:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         block_size: int,
+        num_blocks: int | None = None,
     ) -> AttentionInputs:
-        """Bundle the step's metadata and digest it into a plan (once, not once per layer).
+        """Bundle the step's metadata (host tensors) and digest it into a plan (once, not once
+        per layer). With `num_blocks`, every slot is checked to lie inside the cache, here on
+        the host, so the device kernels never need to (nor sync to).
 
         Raises:
-            ValueError: the shapes disagree (the message names the tensors to fix).
+            ValueError: the shapes disagree (the message names the tensors to fix), or a slot
+                is past the cache.
         """
         num_seqs = seq_lens.shape[0]
         if query_start_loc.shape[0] != num_seqs + 1:
@@ -58,7 +62,10 @@ class AttentionInputs:
                 f"slot_mapping must have one slot per query token ({num_tokens}), "
                 f"got {slot_mapping.shape[0]}"
             )
-        plan = build_plan(block_tables, seq_lens, query_start_loc, block_size, slot_mapping)
+        num_slots = None if num_blocks is None else num_blocks * block_size
+        plan = build_plan(
+            block_tables, seq_lens, query_start_loc, block_size, slot_mapping, num_slots=num_slots
+        )
         return cls(slot_mapping, block_tables, seq_lens, query_start_loc, plan)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> AttentionInputs:
