@@ -147,6 +147,28 @@ class WorkerInfo:
     num_blocks: int
     max_model_len: int
     pid: int = 0  # the worker's process, for operators' logs (never sent to clients)
+    # Where it runs and what it is, for pairing and draining: the worker generation (a hash
+    # of image, model, engine args and version; "" off Kubernetes), its pod and node (the
+    # Kubernetes names; the host name and "" off Kubernetes) and its Ray actor name.
+    generation: str = ""
+    pod: str = ""
+    node: str = ""
+    name: str = ""
+
+
+class DrainState(enum.StrEnum):
+    """Whether a worker takes new requests: a draining one finishes those it has, no more."""
+
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """What a router polls besides the stats: is the engine loop alive, is it draining."""
+
+    alive: bool
+    state: DrainState = DrainState.SERVING
 
 
 @dataclass(frozen=True)

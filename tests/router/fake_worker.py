@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.messages import (
+    DrainState,
     EngineStats,
     KVHandle,
     OutputDelta,
@@ -26,6 +27,7 @@ from kvrelay.messages import (
     Role,
     SampleDelta,
     WorkerInfo,
+    WorkerStatus,
 )
 
 if TYPE_CHECKING:
@@ -107,9 +109,14 @@ class FakeWorker:
         engine_id: str | None = None,
         num_blocks: int = 1024,
         max_model_len: int = 4096,
+        *,
+        generation: str = "",
+        pod: str = "fake-pod",
         **faults: Any,
     ) -> None:
         self.role = Role(role)
+        self.generation, self.pod = generation, pod
+        self.state_of_drain = DrainState.SERVING
         self.engine_id = engine_id or f"fake-{self.role}-{uuid.uuid4().hex[:8]}"
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -136,6 +143,7 @@ class FakeWorker:
         the next test; returns the state it ended (a test checks it was whole)."""
         state = await self.state()
         self.faults = Faults(**faults)
+        self.state_of_drain = DrainState.SERVING
         self.calls.clear()
         self.released.clear()
         self.forgotten.clear()
@@ -277,7 +285,17 @@ class FakeWorker:
             hash_extra_keys=(),
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
+            generation=self.generation,
+            pod=self.pod,
+            name=f"kvrelay-{self.role}-{self.pod}",
         )
+
+    async def drain(self) -> WorkerInfo:
+        self.state_of_drain = DrainState.DRAINING
+        return await self.describe()
+
+    async def status(self) -> WorkerStatus:
+        return WorkerStatus(True, self.state_of_drain)
 
     async def kv_metadata(self) -> PeerMetadata:
         if self.role is Role.BOTH:
@@ -357,3 +375,40 @@ def _block_hashes(prompt: list[int]) -> tuple[bytes, ...]:
         hashlib.sha256(repr(prompt[: (i + 1) * BLOCK_SIZE]).encode()).digest()[:16]
         for i in range(full)
     )
+
+
+class HangingWorker(FakeWorker):
+    """A fake whose registry calls named in `hang_in` (health, describe, status, stats,
+    drain) never answer, as an actor stuck in a call or on a lost node: the registry's
+    timeouts are all that keep a router going. `hang(...)` changes them later."""
+
+    def __init__(self, role: Role | str, *, hang_in: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(role, **kwargs)
+        self.hang_in = set(hang_in)
+
+    async def hang(self, *methods: str) -> None:
+        self.hang_in = set(methods)
+
+    async def _maybe_hang(self, method: str) -> None:
+        if method in self.hang_in:
+            await asyncio.Event().wait()  # forever
+
+    async def health(self) -> bool:
+        await self._maybe_hang("health")
+        return await super().health()
+
+    async def describe(self) -> WorkerInfo:
+        await self._maybe_hang("describe")
+        return await super().describe()
+
+    async def status(self) -> WorkerStatus:
+        await self._maybe_hang("status")
+        return await super().status()
+
+    async def stats(self) -> EngineStats:
+        await self._maybe_hang("stats")
+        return await super().stats()
+
+    async def drain(self) -> WorkerInfo:
+        await self._maybe_hang("drain")
+        return await super().drain()

@@ -2,7 +2,9 @@
 
 Workers join through `add` (from `Pools`, or found by a discovery source); the registry
 introduces every decode worker to every prefill worker (KV connector metadata) and polls
-their stats and cached block hashes. A worker that stops answering is taken out of routing.
+their status, stats and cached block hashes. A worker that stops answering is taken out of
+routing; a draining one gets no new requests. Every call to a worker is bounded by a timeout:
+a hung actor never stalls the refresh loop (stats, dead-worker removal, discovery).
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.messages import EngineStats, PeerMetadata, Role, WorkerInfo
+from kvrelay.messages import DrainState, EngineStats, PeerMetadata, Role, WorkerInfo, WorkerStatus
+from kvrelay.router.generations import own_generation, pick_generation
+from kvrelay.router.kv_reach import warn_if_unreachable
 from kvrelay.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -31,6 +35,8 @@ class WorkerState:
     last_seen: float = 0.0
     # False while the worker says its engine loop is down (it gets no new requests then).
     healthy: bool = True
+    # Set by a drain (here or at another router replica; polled): no new requests.
+    draining: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -39,6 +45,25 @@ class WorkerState:
     @property
     def role(self) -> Role:
         return self.info.role
+
+    @property
+    def generation(self) -> str:
+        return self.info.generation
+
+    @property
+    def serving(self) -> bool:
+        """Whether it may take new requests: alive, engine loop running, not draining."""
+        return self.healthy and not self.draining
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests at this worker, by its last stats (every router's) or by ours if more:
+        running, waiting, pulling KV, or prefilled and waiting to be pulled (leases)."""
+        stats = self.stats
+        known = 0
+        if stats is not None:
+            known = stats.num_running + stats.num_waiting + stats.num_pulling + stats.num_leases
+        return max(known, self.in_flight)
 
     @property
     def free_blocks(self) -> int:
@@ -67,8 +92,15 @@ class WorkerRegistry:
         discover: Discover | None = None,
         dead_after_s: float = 60.0,
         readopt_interval_s: float = 1.0,
+        join_timeout_s: float = 600.0,
+        generation: str | None = None,
     ) -> None:
+        """`stats_timeout_s` bounds each call to a worker that is up; `join_timeout_s` how
+        long `add` waits for a worker to come up (its engine loads its model first);
+        `generation`: the one new requests prefer (default $KVRELAY_GENERATION; "" for any)."""
         self._dead_after_s = dead_after_s
+        self._join_timeout_s = join_timeout_s
+        self.generation = own_generation() if generation is None else generation
         self._readopt_interval_s = readopt_interval_s
         self.workers: dict[str, WorkerState] = {}
         self.index = PrefixIndex()
@@ -82,21 +114,38 @@ class WorkerRegistry:
         # Removed workers' actors, watched until Ray has restarted them (they join again as
         # new engines) or they are gone for good: actor key -> its re-adoption task.
         self._readoptions: dict[str, asyncio.Task[None]] = {}
+        # Discovered workers joining in the background (so a slow or hung one never holds up
+        # a refresh): actor key -> its join task.
+        self._joins: dict[str, asyncio.Task[None]] = {}
 
-    def healthy(self, role: Role) -> list[WorkerState]:
-        """The workers of `role` that may take new requests (alive, engine loop running)."""
-        return [w for w in self.workers.values() if w.role == role and w.healthy]
+    def serving_generation(self) -> str | None:
+        """The generation new requests go to (generations.pick_generation); None: no worker
+        can decode now."""
+        serving = [(w.generation, w.role) for w in self.workers.values() if w.serving]
+        return pick_generation(serving, self.generation)
+
+    def healthy(self, role: Role, generation: str | None = None) -> list[WorkerState]:
+        """The workers of `role` that may take new requests (alive, engine loop running, not
+        draining), of `generation` (default: the serving generation), so that a prefill and
+        a decode worker picked from these lists always pair within one generation."""
+        if generation is None:
+            generation = self.serving_generation()
+        return [
+            w
+            for w in self.workers.values()
+            if w.role == role and w.serving and (generation is None or w.generation == generation)
+        ]
 
     def roles(self) -> set[Role]:
-        """The roles of which at least one healthy worker exists."""
-        return {w.role for w in self.workers.values() if w.healthy}
+        """The roles of which at least one worker takes new requests (serving generation)."""
+        return {role for role in Role if self.healthy(role)}
 
     def decode_token_capacity(self) -> int:
-        """Tokens of KV the healthy decode-capable workers hold together (0: none known)."""
+        """Tokens of KV the serving decode-capable workers hold together (0: none known)."""
         return sum(
             w.info.num_blocks * w.info.block_size
-            for w in self.workers.values()
-            if w.healthy and w.role in (Role.DECODE, Role.BOTH)
+            for role in (Role.DECODE, Role.BOTH)
+            for w in self.healthy(role)
         )
 
     def by_pool(self) -> dict[str, list[EngineStats]]:
@@ -108,33 +157,72 @@ class WorkerRegistry:
         return pools
 
     async def add(self, handle: Any) -> WorkerState:
-        """Register a worker: learn what it is and introduce it to its peers."""
-        async with self._lock:
-            self._known_actors.add(actor_key(handle))
-            info: WorkerInfo = await handle.describe.remote()
-            state = WorkerState(handle, info, last_seen=time.monotonic())
-            if info.role is Role.PREFILL:
-                meta: PeerMetadata = await handle.kv_metadata.remote()
-                await self._introduce(meta, self._decoders())
-                self._peer_metas[info.engine_id] = meta
-            elif info.role is Role.DECODE:
-                await asyncio.gather(
-                    *(handle.add_peer.remote(m) for m in self._peer_metas.values())
-                )
-            state.stats = await handle.stats.remote()
-            self.workers[info.engine_id] = state
-            logger.warning("worker %s (%s, pid %d) joined", info.engine_id, info.role, info.pid)
-            return state
+        """Register a worker: learn what it is and introduce it to its peers.
 
-    async def _introduce(self, meta: PeerMetadata, decoders: Sequence[WorkerState]) -> None:
+        Waits up to `join_timeout_s` for the worker to be up (a new one loads its model
+        first), then bounds each call by `stats_timeout_s`; only those bounded calls run under
+        the registry's lock, so one slow worker never holds up another's join.
+
+        Raises:
+            TimeoutError: the worker did not come up, or did not answer, in time.
+            Exception: the worker's own error (RayActorError: it died).
+        """
+        key = actor_key(handle)
+        self._known_actors.add(key)
+        try:
+            async with asyncio.timeout(self._join_timeout_s):
+                await handle.health.remote()  # answers once its constructor has run
+            async with self._lock:
+                return await self._join(handle)
+        except BaseException:
+            self._known_actors.discard(key)  # found again (and retried) by discovery
+            raise
+
+    async def _join(self, handle: Any) -> WorkerState:
+        info: WorkerInfo = await self._ask(handle.describe.remote())
+        state = WorkerState(handle, info, last_seen=time.monotonic())
+        status: WorkerStatus = await self._ask(handle.status.remote())
+        state.healthy, state.draining = status.alive, status.state is DrainState.DRAINING
+        if info.role is Role.PREFILL:
+            meta: PeerMetadata = await self._ask(handle.kv_metadata.remote())
+            await self._introduce(meta, info, self._decoders())
+            self._peer_metas[info.engine_id] = meta
+        elif info.role is Role.DECODE:
+            for meta in self._peer_metas.values():
+                prefill = self.workers.get(meta.engine_id)
+                if prefill is not None:
+                    warn_if_unreachable(meta, prefill.info, info)
+            await self._ask(
+                asyncio.gather(*(handle.add_peer.remote(m) for m in self._peer_metas.values()))
+            )
+        state.stats = await self._ask(handle.stats.remote())
+        self.workers[info.engine_id] = state
+        logger.warning(
+            "worker %s (%s, pid %d, pod %s, generation %s) joined",
+            info.engine_id,
+            info.role,
+            info.pid,
+            info.pod or "-",
+            info.generation or "-",
+        )
+        return state
+
+    async def _ask(self, call: Awaitable[Any]) -> Any:
+        """A call to a worker that is up, bounded by `stats_timeout_s` (TimeoutError)."""
+        async with asyncio.timeout(self._stats_timeout_s):
+            return await call
+
+    async def _introduce(
+        self, meta: PeerMetadata, prefill: WorkerInfo, decoders: Sequence[WorkerState]
+    ) -> None:
         """Tell decode workers about a prefill worker, each within the stats timeout: a decode
         worker that is itself dead or restarting must not hold up the join (it is introduced
         to every prefill worker when it joins again)."""
 
         async def tell(decoder: WorkerState) -> None:
+            warn_if_unreachable(meta, prefill, decoder.info)
             try:
-                async with asyncio.timeout(self._stats_timeout_s):
-                    await decoder.handle.add_peer.remote(meta)
+                await self._ask(decoder.handle.add_peer.remote(meta))
             except Exception:
                 logger.warning(
                     "decode worker %s did not take prefill worker %s's metadata",
@@ -190,9 +278,28 @@ class WorkerRegistry:
                 logger.debug("a removed worker is not back yet", exc_info=True)
             await asyncio.sleep(self._readopt_interval_s)
 
+    async def drain(self, pods: Collection[str]) -> list[WorkerState]:
+        """Drain the workers on these pods: each one's own flag is set (so every router
+        replica sees it when it polls), and this router stops sending them new requests at
+        once. Returns those that took the drain (a worker that did not answer in time is
+        left out, and logged)."""
+
+        async def drain_one(worker: WorkerState) -> WorkerState | None:
+            try:
+                await self._ask(worker.handle.drain.remote())
+            except Exception:
+                logger.warning("worker %s did not take the drain", worker.worker_id, exc_info=True)
+                return None
+            worker.draining = True
+            return worker
+
+        targets = [w for w in self.workers.values() if w.info.pod in pods]
+        drained = await asyncio.gather(*(drain_one(w) for w in targets))
+        return [w for w in drained if w is not None]
+
     async def close(self) -> None:
-        """Stop watching removed workers (at shutdown)."""
-        tasks = list(self._readoptions.values())
+        """Stop watching removed workers and joining found ones (at shutdown)."""
+        tasks = list(self._readoptions.values()) + list(self._joins.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -208,8 +315,10 @@ class WorkerRegistry:
     async def _poll(self, worker: WorkerState, with_hashes: bool) -> None:
         try:
             async with asyncio.timeout(self._stats_timeout_s):
-                # health() answers at once (it does not wait for the engine's step).
-                worker.healthy = await worker.handle.health.remote()
+                # status() answers at once (it does not wait for the engine's step).
+                status: WorkerStatus = await worker.handle.status.remote()
+                worker.healthy = status.alive
+                worker.draining = status.state is DrainState.DRAINING
                 worker.stats = await worker.handle.stats.remote()
                 if with_hashes:
                     hashes = await worker.handle.cached_block_hashes.remote()
@@ -225,19 +334,33 @@ class WorkerRegistry:
             self.remove(worker.worker_id, f"{type(exc).__name__}: {exc}")
 
     async def _add_discovered(self) -> None:
+        """Start a background join for each new worker discovery finds (bounded: `add`)."""
         assert self._discover is not None
         try:
-            handles = await self._discover()
+            async with asyncio.timeout(self._stats_timeout_s):
+                handles = await self._discover()
         except Exception:
             logger.exception("worker discovery failed")
             return
         for handle in handles:
-            if actor_key(handle) in self._known_actors:
+            key = actor_key(handle)
+            if key in self._known_actors or key in self._joins or key in self._readoptions:
                 continue
-            try:
-                await self.add(handle)
-            except Exception:
-                logger.warning("a discovered worker could not join", exc_info=True)
+            task = asyncio.get_running_loop().create_task(self._join_found(handle))
+            self._joins[key] = task
+            task.add_done_callback(self._forget_join(key))
+
+    def _forget_join(self, key: str) -> Callable[[asyncio.Task[None]], None]:
+        def forget(_: asyncio.Task[None]) -> None:
+            self._joins.pop(key, None)
+
+        return forget
+
+    async def _join_found(self, handle: Any) -> None:
+        try:
+            await self.add(handle)
+        except Exception:
+            logger.warning("a discovered worker could not join; retrying", exc_info=True)
 
     async def run(self, interval_s: float = 0.5) -> None:
         """Poll forever (a background task; cancel it to stop)."""

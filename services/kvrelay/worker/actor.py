@@ -8,15 +8,26 @@ text): the router detokenizes and orchestrates prefill -> pull -> decode (router
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+import socket
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import EngineStats, KVHandle, OutputDelta, PeerMetadata, Role, WorkerInfo
+from kvrelay.messages import (
+    DrainState,
+    EngineStats,
+    KVHandle,
+    OutputDelta,
+    PeerMetadata,
+    Role,
+    WorkerInfo,
+    WorkerStatus,
+)
 from kvrelay.transfer.auth import KVSecret, resolve_kv_secret
 from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
@@ -24,6 +35,33 @@ from kvrelay.transfer.network import KVNetwork
 from kvrelay.worker.deltas import DeltaTracker
 from kvrelay.worker.engine_builder import build_worker_engine
 from kvrelay.worker.engine_loop import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+# Set per pod by the operator (downward API); the actor inherits its raylet's environment.
+GENERATION_ENV = "KVRELAY_GENERATION"
+POD_NAME_ENV = "KVRELAY_POD_NAME"
+NODE_NAME_ENV = "KVRELAY_NODE_NAME"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Which generation a worker belongs to and where it runs (WorkerInfo's fields)."""
+
+    generation: str
+    pod: str
+    node: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Placement:
+        """$KVRELAY_GENERATION, $KVRELAY_POD_NAME (default: the host name, which KubeRay sets
+        to the pod's name) and $KVRELAY_NODE_NAME (default "")."""
+        env = os.environ if environ is None else environ
+        return cls(
+            generation=env.get(GENERATION_ENV, "").strip(),
+            pod=env.get(POD_NAME_ENV, "").strip() or socket.gethostname(),
+            node=env.get(NODE_NAME_ENV, "").strip(),
+        )
 
 
 class EngineWorker:
@@ -51,6 +89,10 @@ class EngineWorker:
                 self.engine, self.role, transfer_backend, kv_secret, connector_options or {}
             )
         self.loop = EngineLoop(self.engine, self.connector)
+        self.placement = Placement.from_env()
+        # Set by a router's drain call; every router replica reads it when it polls status()
+        # and sends no new request here (those in flight finish).
+        self.state = DrainState.SERVING
 
     async def prefill(
         self,
@@ -104,7 +146,23 @@ class EngineWorker:
             num_blocks=engine.num_blocks,
             max_model_len=engine.max_total_tokens,
             pid=os.getpid(),
+            generation=self.placement.generation,
+            pod=self.placement.pod,
+            node=self.placement.node,
+            name=_actor_name(),
         )
+
+    def drain(self) -> WorkerInfo:
+        """Take no new requests from now on (routers stop sending them once they poll
+        `status`); those in flight finish. There is no way back: the pod is going away."""
+        if self.state is not DrainState.DRAINING:
+            logger.warning("worker %s is draining", self.engine.engine_id)
+        self.state = DrainState.DRAINING
+        return self.describe()
+
+    def status(self) -> WorkerStatus:
+        """Answers at once (it does not wait for the engine's step), like `health`."""
+        return WorkerStatus(self.loop.is_alive(), self.state)
 
     async def release_kv(self, request_id: str) -> bool:
         """Prefill role: free a handed-off request's blocks; False if no lease was held."""
@@ -147,6 +205,18 @@ class EngineWorker:
         self.loop.shutdown()
         if self.connector is not None:
             self.connector.close()
+
+
+def _actor_name() -> str:
+    """This Ray actor's name ("" outside a named Ray actor: in-process tests, pools)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return ""
+        return ray.get_runtime_context().get_actor_name() or ""
+    except Exception:  # not in an actor: a plain object in a test
+        return ""
 
 
 def _connect(
