@@ -1,19 +1,27 @@
 """Finding workers on a Ray cluster the router joined, and keeping the pools at size.
 
-Workers are named, detached actors in the `kvrelay` namespace (`kvrelay-<role>-<id>`), so a
+Workers are named, detached actors in the `kvrelay` namespace (`kvrelay-<role>-<pod>`), so a
 restarted router finds the same workers again. Two ways they come to be:
 - `kvrelay worker --role R` on a node starts one there (multi-node deployments by hand);
-- a router with `--manage-workers` keeps one worker per unit of the Ray custom resource
-  `kvrelay_<role>` (on Kubernetes, each KubeRay worker pod of group R offers one), so scaling a
-  worker group scales the pool.
+- a router with `--manage-workers` keeps one worker on each Ray node that offers the custom
+  resource `kvrelay_<role>` (on Kubernetes, each KubeRay worker pod of group R), pinned there,
+  so scaling a worker group scales the pool.
+
+Names are per pod, never per index: a pod that KubeRay re-creates has a new name, so its worker
+gets a free name at once (an index left a gap after a scale-down, and the re-created
+`kvrelay-<role>-0` waited forever for its slot).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import uuid
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.messages import Role
@@ -21,10 +29,44 @@ from kvrelay.messages import Role
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "kvrelay"
+POD_NAME_ENV = "KVRELAY_POD_NAME"
 
 
-def worker_name(role: str) -> str:
-    return f"kvrelay-{role}-{uuid.uuid4().hex[:8]}"
+def worker_name(role: str, environ: Mapping[str, str] | None = None) -> str:
+    """The name of a worker `kvrelay worker` starts on this node: per pod on Kubernetes
+    ($KVRELAY_POD_NAME), else unique."""
+    pod = (os.environ if environ is None else environ).get(POD_NAME_ENV, "").strip()
+    return f"kvrelay-{role}-{_safe(pod) if pod else uuid.uuid4().hex[:8]}"
+
+
+def _safe(text: str) -> str:
+    """`text` as a piece of an actor name (pod names are DNS labels already)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "-", text)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one managed worker of a pool lives: a Ray node and the actor name it gets."""
+
+    node_id: str
+    name: str
+
+
+def worker_slots(role: str, nodes: Sequence[Mapping[str, Any]]) -> list[Slot]:
+    """One slot per live Ray node offering `kvrelay_<role>` (from `ray.nodes()`), named
+    `kvrelay-<role>-<host name>`: KubeRay sets a pod's host name to the pod's name. Host names
+    that several nodes share (Ray nodes started on one machine) get the node id appended, so
+    names stay unique off Kubernetes too."""
+    resource = resource_name(role)
+    offering = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get(resource, 0) > 0]
+    hosts = Counter(str(n.get("NodeManagerHostname", "")) for n in offering)
+    slots = []
+    for node in offering:
+        host, node_id = str(node.get("NodeManagerHostname", "")), str(node["NodeID"])
+        unique = bool(host) and hosts[host] == 1
+        suffix = _safe(host) if unique else f"{_safe(host) or 'node'}-{node_id[:12]}"
+        slots.append(Slot(node_id, f"kvrelay-{role}-{suffix}"))
+    return slots
 
 
 def resource_name(role: str) -> str:
@@ -46,13 +88,11 @@ def _named_workers() -> dict[str, list[str]]:
     return by_role
 
 
-async def discover_workers() -> Sequence[Any]:
-    """Handles of every named worker actor on the cluster."""
+def _worker_handles() -> list[Any]:
     import ray
 
-    names = await asyncio.to_thread(_named_workers)
     handles = []
-    for role_names in names.values():
+    for role_names in _named_workers().values():
         for name in role_names:
             try:
                 handles.append(ray.get_actor(name, namespace=NAMESPACE))
@@ -61,8 +101,14 @@ async def discover_workers() -> Sequence[Any]:
     return handles
 
 
+async def discover_workers() -> Sequence[Any]:
+    """Handles of every named worker actor on the cluster (Ray's calls to its control store
+    block: they run on a thread, so a caller's timeout bounds them)."""
+    return await asyncio.to_thread(_worker_handles)
+
+
 class WorkerManager:
-    """Keeps one worker actor per unit of each `kvrelay_<role>` resource in the cluster."""
+    """Keeps one worker actor on each Ray node offering a `kvrelay_<role>` resource."""
 
     def __init__(
         self,
@@ -79,8 +125,10 @@ class WorkerManager:
     def reconcile(self) -> dict[str, int]:
         """Start the workers missing from each pool; returns how many were started.
 
-        Worker i of a pool is always named `kvrelay-<role>-<i>`: two routers reconciling at
-        once try to create the same names, and Ray lets only one of them succeed.
+        A node's worker is always named after its node (`worker_slots`) and pinned to it: two
+        routers reconciling at once try to create the same names, and Ray lets only one of
+        them succeed. Ray's calls here are quick control-store reads; `run` runs this on a
+        thread so the router's loop never waits on them.
         """
         import ray
 
@@ -89,14 +137,13 @@ class WorkerManager:
         from kvrelay.worker.pools import spawn_worker
 
         started: dict[str, int] = {}
-        resources = ray.cluster_resources()
+        nodes = ray.nodes()
         live = {name for names in _named_workers().values() for name in names}
         for role in self.roles:
-            want = int(resources.get(resource_name(role), 0))
+            slots = worker_slots(role, nodes)
             started[role] = 0
-            for index in range(want):
-                name = f"kvrelay-{role}-{index}"
-                if name in live:
+            for slot in slots:
+                if slot.name in live:
                     continue
                 try:
                     spawn_worker(
@@ -104,15 +151,16 @@ class WorkerManager:
                         role,
                         self.transfer_backend,
                         self.num_threads,
-                        name=name,
+                        name=slot.name,
                         namespace=NAMESPACE,
                         resources={resource_name(role): 1},
+                        node_id=slot.node_id,
                     )
                 except ValueError:  # another router created it first
                     continue
                 started[role] += 1
             if started[role]:
-                logger.info("started %d %s worker(s) (%d wanted)", started[role], role, want)
+                logger.info("started %d %s worker(s) (%d wanted)", started[role], role, len(slots))
         return started
 
     async def run(self, interval_s: float = 5.0) -> None:
