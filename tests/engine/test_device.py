@@ -153,6 +153,14 @@ def test_engine_steps_on_meta_never_touch_the_host(
         return SamplerOutput([7] * len(rows), [None] * len(rows))
 
     monkeypatch.setattr(sampler, "sample", sample)
+    steps: list[int] = []
+    execute = meta_engine.runner.execute
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(1)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(meta_engine.runner, "execute", counted)
     meta_engine.add_request("a", list(range(3, 20)), _greedy(4))
     meta_engine.add_request(
         "b", [4, 5, 6], SamplingParams(temperature=0.8, top_p=0.9, top_k=5, max_tokens=4, seed=1)
@@ -165,6 +173,10 @@ def test_engine_steps_on_meta_never_touch_the_host(
         done = run_to_completion(meta_engine)
     assert sorted(done) == ["a", "b", "c"] and all(d[0] == [7] * 4 for d in done.values())
     assert len(calls) >= 4 and mode.meta_ops > 100
+    # The inputs went up staged (one copy per step) and the block tables live on the device.
+    uploader = meta_engine.runner.uploader
+    assert uploader is not None and uploader.table.table.is_meta
+    assert uploader.stager.uploads == len(steps) > len(calls) and not uploader.stager.pinned
 
 
 def test_sampler_on_meta_up_to_its_one_sync() -> None:

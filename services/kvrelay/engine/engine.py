@@ -53,8 +53,15 @@ class Engine:
         kv_tensor = allocate_kv_cache(
             config.model_config, num_blocks, block_size, dtype, device=config.device
         )
-        self.runner = ModelRunner(model, kv_tensor, block_size, sampler)
         self.max_total_tokens = min(config.max_model_len, num_blocks * block_size)
+        self.runner = ModelRunner(
+            model,
+            kv_tensor,
+            block_size,
+            sampler,
+            max_blocks_per_seq=-(-self.max_total_tokens // block_size),
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
         self.role = Role(config.role)
         self.handoff = KVHandoff(
             self.kv_cache,

@@ -16,6 +16,7 @@ from kvrelay.engine.isolation import sample_isolating
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
 from kvrelay.engine.scheduler import ScheduledChunk
+from kvrelay.engine.step_upload import StepUploader
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay_kernels import AttentionBackend
 
@@ -63,11 +64,9 @@ class BatchInputs:
 
     def to(self, device: torch.device) -> BatchInputs:
         """The step's inputs on `device`: built on the host, uploaded once per step without
-        waiting (`non_blocking`); `self` on the CPU, so the CPU path pays nothing.
-
-        Next slices (issue 14): stage them in reusable pinned host buffers (a pageable
-        source makes each non_blocking copy a staged, host-blocking one) and keep the
-        block tables on the device, updated incrementally, instead of re-sending them.
+        waiting (`non_blocking`); `self` on the CPU, so the CPU path pays nothing. The
+        engine's runner uploads through `StepUploader` instead (one pinned copy, block tables
+        kept on the device); this is for callers holding a plain batch.
         """
         if self.input_ids.device == device:
             return self
@@ -120,17 +119,69 @@ def build_batch_inputs(
     )
 
 
+class StepTensors(NamedTuple):
+    """A step's inputs where the model runs: the batch, the copy-on-write block pairs (None
+    when there are none) and the logits row of each sampled request (None: one per chunk)."""
+
+    inputs: BatchInputs
+    copy_src: torch.Tensor | None
+    copy_dst: torch.Tensor | None
+    logits_rows: torch.Tensor | None
+
+
 class ModelRunner:
     """Runs one step of the model on the worker's KV tensor."""
 
     def __init__(
-        self, model: CausalLMModel, kv_cache: torch.Tensor, block_size: int, sampler: Sampler
+        self,
+        model: CausalLMModel,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        sampler: Sampler,
+        *,
+        max_blocks_per_seq: int | None = None,
+        max_num_seqs: int = 128,
     ) -> None:
+        """`max_blocks_per_seq` (default: every block of the cache) sizes the device block
+        table's rows, `max_num_seqs` its initial row count (it grows when needed)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device  # every step tensor is moved here, once per step
         self.block_size = block_size
         self.sampler = sampler
+        # On the CPU the host-built tensors are used as they are: no staging, no copies.
+        self.uploader: StepUploader | None = None
+        if self.device.type != "cpu":
+            max_blocks = max_blocks_per_seq or int(kv_cache.shape[0])
+            self.uploader = StepUploader(self.device, max_blocks, max_num_seqs)
+
+    def prepare(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        block_tables: Sequence[list[int]],
+        copies: Sequence[tuple[int, int]] = (),
+    ) -> StepTensors:
+        """Build the step on the host and, on an accelerator, upload it in one copy with the
+        block tables taken from the device-resident table (step_upload.py)."""
+        inputs = build_batch_inputs(chunks, block_tables, self.block_size, self.kv_cache.shape[0])
+        src = dst = rows = None
+        if copies:
+            src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
+            dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
+        sampled = [chunk for chunk in chunks if chunk.samples]
+        if any(c.forks for c in sampled):
+            # logits: [num_sampled_chunks, V] -> [len(requests), V], a leader's row repeated
+            rows_of = [i for i, c in enumerate(sampled) for _ in range(1 + len(c.forks))]
+            rows = torch.tensor(rows_of, dtype=torch.int64)
+        if self.uploader is None:
+            return StepTensors(inputs, src, dst, rows)
+        optional = [t for t in (src, dst, rows) if t is not None]
+        host = [inputs.input_ids, inputs.positions, inputs.logits_indices, *optional]
+        ids = [c.request.request_id for c in chunks]
+        staged, attn = self.uploader.upload(host, inputs.attn, ids, block_tables)
+        extra = iter(staged[3:])
+        src, dst, rows = (None if t is None else next(extra) for t in (src, dst, rows))
+        return StepTensors(BatchInputs(staged[0], staged[1], attn, staged[2]), src, dst, rows)
 
     @torch.inference_mode()
     def execute(
@@ -144,28 +195,19 @@ class ModelRunner:
         with its own generator). A request whose sampling fails is reported in `failed`
         rather than failing the step (isolation.py); a failed forward pass raises.
         """
-        if copies:
+        step = self.prepare(chunks, block_tables, copies)
+        if step.copy_src is not None and step.copy_dst is not None:
             # Before the forward pass: it may write into a copy's source (its last owner).
-            src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
-            dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
-            dev = self.device
-            self.model.backend.copy_blocks(
-                self.kv_cache, src.to(dev, non_blocking=True), dst.to(dev, non_blocking=True)
-            )
-        inputs = build_batch_inputs(
-            chunks, block_tables, self.block_size, self.kv_cache.shape[0]
-        ).to(self.device)
+            self.model.backend.copy_blocks(self.kv_cache, step.copy_src, step.copy_dst)
+        inputs = step.inputs
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:
             return StepResult([], [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [r for c in sampled_chunks for r in (c.request, *c.forks)]
-        if len(requests) > len(sampled_chunks):
-            # logits: [num_sampled_chunks, V] -> [len(requests), V], a leader's row repeated
-            rows_of = [i for i, c in enumerate(sampled_chunks) for _ in range(1 + len(c.forks))]
-            rows_t = torch.tensor(rows_of, dtype=torch.int64)
-            logits = logits[rows_t.to(logits.device, non_blocking=True)]
+        if step.logits_rows is not None:
+            logits = logits[step.logits_rows]
         rows = [
             SamplingRow(
                 params=r.sampling_params,

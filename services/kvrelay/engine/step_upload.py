@@ -1,0 +1,95 @@
+"""A step's inputs on an accelerator: one staged upload plus the device-resident block table.
+
+The host builds the step as on the CPU (`build_batch_inputs`: plain tensors and the plan);
+this moves it to the device with one copy (staging.py) and takes the block tables from the
+persistent device table (block_table.py) instead of uploading them. The plan's own block-id
+tensors (the decode tables and each prefill's ids, read by the torch reference) become views
+of those device tables, so no table goes up twice. Nothing here reads a device value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+
+from kvrelay.engine.block_table import DeviceBlockTable
+from kvrelay.engine.staging import StepStager
+from kvrelay.models.inputs import AttentionInputs
+from kvrelay_kernels import AttentionPlan
+
+
+class StepUploader:
+    """Moves each step's host-built inputs to `device` (not for the CPU: it uses them as
+    they are)."""
+
+    def __init__(self, device: torch.device, max_blocks: int, rows: int) -> None:
+        self.stager = StepStager(device)
+        self.table = DeviceBlockTable(rows, max_blocks, device)
+
+    def upload(
+        self,
+        host: Sequence[torch.Tensor],
+        attn: AttentionInputs,
+        request_ids: Sequence[str],
+        tables: Sequence[list[int]],
+    ) -> tuple[list[torch.Tensor], AttentionInputs]:
+        """`host` tensors and `attn` (built from `tables`) on the device, in one copy.
+
+        Returns the device views of `host`, in order, and the device `AttentionInputs`."""
+        update = self.table.update(request_ids, tables)
+        plan = attn.plan
+        plan_names = [
+            f.name
+            for f in fields(plan)
+            if isinstance(getattr(plan, f.name), torch.Tensor) and f.name != "decode_block_tables"
+        ]
+        staged = self.stager.upload(
+            [
+                *host,
+                attn.slot_mapping,
+                attn.seq_lens,
+                attn.query_start_loc,
+                torch.tensor(update.rows, dtype=torch.int64),
+                torch.tensor(update.write_index, dtype=torch.int64),
+                torch.tensor(update.write_value, dtype=torch.int32),
+                *[getattr(plan, name) for name in plan_names],
+            ]
+        )
+        n = len(host)
+        slots, seq_lens, qsl, rows, write_index, write_value = staged[n : n + 6]
+        self.table.apply(write_index, write_value)
+        block_tables = self.table.gather(rows, attn.block_tables.shape[1])
+        device_plan = _device_plan(
+            plan, dict(zip(plan_names, staged[n + 6 :], strict=True)), block_tables, attn
+        )
+        return staged[:n], AttentionInputs(slots, block_tables, seq_lens, qsl, device_plan)
+
+
+def _device_plan(
+    plan: AttentionPlan,
+    staged: dict[str, Any],
+    block_tables: torch.Tensor,
+    attn: AttentionInputs,
+) -> AttentionPlan:
+    """The plan with its tensors replaced by their staged copies, and its block ids by views
+    of the device block tables (int32: the reference's index_select takes either)."""
+    starts = attn.query_start_loc.tolist()  # host tensor: no sync
+    seq_of_row = {start: i for i, start in enumerate(starts[:-1])}
+    prefills = tuple(
+        replace(c, block_ids=block_tables[seq_of_row[c.q_start], : c.block_ids.shape[0]])
+        for c in plan.prefills
+    )
+    decode_tables = None
+    if plan.decode_block_tables is not None:
+        width = plan.decode_block_tables.shape[1]
+        if plan.decode_seqs is not None:
+            s0, s1 = plan.decode_seqs
+            decode_tables = block_tables[s0:s1, :width]
+        else:
+            seq_idx = staged.get("decode_seq_idx")
+            assert seq_idx is not None, "a plan with decodes has their span or indices"
+            decode_tables = block_tables[:, :width].index_select(0, seq_idx)
+    return replace(plan, **staged, prefills=prefills, decode_block_tables=decode_tables)

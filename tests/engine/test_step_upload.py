@@ -1,0 +1,120 @@
+"""One staged upload per step and the device-resident block table, run on the CPU: the staged
+path (what CUDA and meta take) must give exactly the host path's values and tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.engine.engine import Engine
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.engine.staging import StepStager
+from kvrelay.engine.step_upload import StepUploader
+from tests.engine.conftest import EngineFactory, run_to_completion
+
+CPU = torch.device("cpu")
+
+
+def test_stager_packs_every_tensor_into_one_copy() -> None:
+    stager = StepStager(CPU, initial_bytes=64)
+    tensors = [
+        torch.arange(5, dtype=torch.int64),
+        torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
+        torch.tensor([True, False, True]),
+        torch.empty(0, dtype=torch.int64),
+        torch.arange(40, dtype=torch.int64)[::2],  # not contiguous
+    ]
+    got = stager.upload(tensors)
+    assert stager.uploads == 1
+    for a, b in zip(tensors, got, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    base = stager._device.data_ptr()
+    ends = [t.data_ptr() - base for t in got if t.numel()]
+    assert all(0 <= e < stager._device.numel() for e in ends)  # views of one buffer
+    assert all(t.data_ptr() % 16 == 0 for t in got if t.numel())  # aligned for any dtype
+    again = stager.upload([torch.full((100,), 7, dtype=torch.int64)])  # grows the buffers
+    assert stager.uploads == 2 and stager._device.numel() >= 800 and int(again[0].sum()) == 700
+
+
+def _requests(engine: Engine) -> None:
+    engine.add_request("a", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=12))
+    engine.add_request("b", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=16))
+    engine.add_request(
+        "c", [9] * 13, SamplingParams(temperature=0.9, seed=4, n=3, max_tokens=10)
+    )  # forks: copy-on-write of the last prompt block
+    engine.add_request("d", list(range(50, 61)), SamplingParams(temperature=0.0, max_tokens=9))
+
+
+def _staged(engine: Engine) -> list[int]:
+    """Route `engine`'s steps through the staged path on the CPU; returns its step count."""
+    runner = engine.runner
+    max_blocks = -(-engine.max_total_tokens // runner.block_size)
+    runner.uploader = StepUploader(CPU, max_blocks, rows=1)  # rows=1: the table must grow
+    steps = [0]
+    execute = runner.execute
+
+    def counted(*args: object, **kwargs: object) -> object:
+        steps[0] += 1
+        return execute(*args, **kwargs)  # type: ignore[arg-type]
+
+    runner.execute = counted  # type: ignore[method-assign]
+    return steps
+
+
+def test_staged_path_gives_the_host_paths_tokens(make_engine: EngineFactory) -> None:
+    """Chunked prefills mixed with decodes, forks, and preemptions (a small cache): the
+    staged inputs and device table give bit-identical tokens, one upload per step."""
+    results = []
+    for staged in (False, True):
+        engine = make_engine(num_blocks=24, max_num_batched_tokens=16)
+        steps = _staged(engine) if staged else None
+        _requests(engine)
+        results.append(run_to_completion(engine))
+        if steps is not None:
+            assert engine.runner.uploader is not None
+            assert engine.runner.uploader.stager.uploads == steps[0] > 10
+            assert engine.runner.uploader.table.num_rows >= 4
+        assert engine.scheduler.num_preemptions > 0  # rows re-used, tables rewritten
+    assert results[0] == results[1]
+    assert len(results[0]["c"]) == 3
+
+
+def test_staged_inputs_equal_the_host_inputs(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_num_batched_tokens=16)
+    _requests(engine)
+    runner = engine.runner
+    uploader = StepUploader(CPU, -(-engine.max_total_tokens // runner.block_size), rows=2)
+    for _ in range(6):
+        plan = engine.scheduler.schedule()
+        if plan.is_empty:
+            break
+        tables = [engine.kv_cache.block_table(c.request.request_id) for c in plan.chunks]
+        runner.uploader = None
+        host = runner.prepare(plan.chunks, tables, plan.copies)
+        runner.uploader = uploader
+        dev = runner.prepare(plan.chunks, tables, plan.copies)
+        for a, b in [
+            (host.inputs.input_ids, dev.inputs.input_ids),
+            (host.inputs.positions, dev.inputs.positions),
+            (host.inputs.logits_indices, dev.inputs.logits_indices),
+            (host.inputs.attn.slot_mapping, dev.inputs.attn.slot_mapping),
+            (host.inputs.attn.seq_lens, dev.inputs.attn.seq_lens),
+            (host.inputs.attn.query_start_loc, dev.inputs.attn.query_start_loc),
+        ]:
+            assert torch.equal(a, b)
+        _same_tables(host.inputs.attn.block_tables, dev.inputs.attn.block_tables, host)
+        hp, dp = host.inputs.attn.plan, dev.inputs.attn.plan
+        assert len(hp.tensors()) == len(dp.tensors())
+        for a, b in zip(hp.tensors(), dp.tensors(), strict=True):
+            assert torch.equal(a.long() if a.dtype != torch.bool else a, b.to(a.dtype))
+        runner.uploader = None
+        runner.execute(plan.chunks, tables, plan.copies)
+        engine.scheduler.update_after_step(plan.chunks)
+
+
+def _same_tables(host: torch.Tensor, dev: torch.Tensor, step: object) -> None:
+    """Equal where a kernel reads (each sequence's blocks); padding may differ."""
+    assert host.shape == dev.shape
+    lens = step.inputs.attn.seq_lens.tolist()  # type: ignore[attr-defined]
+    for i, n in enumerate(lens):
+        blocks = -(-n // 4)
+        assert torch.equal(host[i, :blocks], dev[i, :blocks])
