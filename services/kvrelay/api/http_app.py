@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvrelay.api.admin import add_admin_routes
 from kvrelay.api.auth import check_api_key
 from kvrelay.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kvrelay.api.disconnect import ClientGoneError, EventStreamResponse, until_disconnected
@@ -44,6 +45,7 @@ def create_http_app(
     v1 = [Depends(_authenticator(api_key))]
     _add_model_routes(app, router, v1)
     _add_generation_routes(app, router, v1)
+    add_admin_routes(app, router.registry, v1)  # the operator's drain API, same key
     return app
 
 
