@@ -1,5 +1,6 @@
 """The prefill -> decode hand-off of one engine: leases, KV handles, pull plans, failure policy.
-It changes requests only through the scheduler; it never runs the model nor emits outputs."""
+It changes requests only through the scheduler; it never runs the model nor emits outputs.
+A handle is made only once the KV writes it names are complete on the device (KVWriteFence)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager, blocks_needed
 from kvrelay.engine.leases import LeaseTable
@@ -21,6 +24,40 @@ logger = logging.getLogger(__name__)
 RECOMPUTE = "recompute"  # kv_transfer_failure: recompute an unusable prompt KV here
 FAIL = "fail"  # kv_transfer_failure: finish the request aborted instead
 HANDLE_ID_BYTES = 24  # 192 random bits: a handle id is a capability, so it must not be guessed
+
+
+class KVWriteFence:
+    """Makes the KV writes queued on the device complete before a handle naming them leaves the
+    engine: a gRPC server thread (another stream) or a NIXL READ (another process, over UCX)
+    must never read a block the prefill's kernels are still writing.
+
+    On CUDA, `wait` records an event on the device's current stream, where the step that
+    sampled the request's first token wrote its prompt's last KV, and waits for it; the step's
+    own host sync for its sampled tokens has usually passed it already, so it costs a few
+    microseconds. On any other device it does nothing. With no device given, it acts on the
+    current CUDA device when this process has initialized CUDA, else does nothing.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = None if device is None else torch.device(device)
+        self.num_waits = 0  # events waited on (CUDA only)
+
+    def _cuda_device(self) -> torch.device | None:
+        if self.device is not None:
+            return self.device if self.device.type == "cuda" else None
+        if torch.cuda.is_initialized():
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
+
+    def wait(self) -> None:
+        """Block until every KV write queued so far on the device's current stream is done."""
+        device = self._cuda_device()
+        if device is None:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()
+        self.num_waits += 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +90,11 @@ class KVHandoff:
         kv_block_bytes: int,
         lease_seconds: float,
         failure_policy: str,
+        kv_device: torch.device | str | None = None,
+        kv_fence: KVWriteFence | None = None,
     ) -> None:
+        """`kv_device`: where the KV tensor lives (what the fence waits on); `kv_fence`
+        replaces the fence made from it."""
         assert failure_policy in (RECOMPUTE, FAIL), failure_policy  # EngineConfig validates
         self.kv_cache = kv_cache
         self.scheduler = scheduler
@@ -65,6 +106,7 @@ class KVHandoff:
         self.failure_policy = failure_policy
         self._leases = LeaseTable()
         self._pulls: dict[str, _Pull] = {}
+        self.kv_fence = kv_fence or KVWriteFence(kv_device)
         self.kv_bytes_pulled = 0
         self.num_pull_fallbacks = 0
         self.num_transfer_failures = 0
@@ -98,9 +140,15 @@ class KVHandoff:
     def lease_prompt_kv(self, request: Request) -> KVHandle | None:
         """Prefill role: take `request`, which sampled its first token and goes on, out of the
         batch (status FINISHED_REMOTE), lease its prompt's blocks and return their handle.
-        Other roles: None, and nothing changes (it keeps decoding here)."""
+        Other roles: None, and nothing changes (it keeps decoding here).
+
+        The KV fence is waited on first, so the handle (which the worker publishes for a
+        decode engine to read) names only KV that is complete on the device."""
         if self.role is not Role.PREFILL:
             return None
+        # Before anything changes: a handle must never name KV still being written, and a
+        # device error here leaves the request as it was.
+        self.kv_fence.wait()
         rid = request.request_id
         self.scheduler.detach(request)
         request.status = RequestStatus.FINISHED_REMOTE

@@ -1,12 +1,16 @@
 """The gRPC fallback connector: a decode worker streams a prefill worker's KV block bytes over
 `kvrelay.v1.KVTransfer/PullBlocks` and writes them straight into its own blocks (no pickle).
 Every pull carries a proof made with the deployment's KV secret (transfer/auth.py); the channel
-runs mTLS when the worker has a certificate (transfer/tls.py), plaintext otherwise."""
+runs mTLS when the worker has a certificate (transfer/tls.py), plaintext otherwise. A GPU KV
+tensor is written through reusable pinned host buffers, one host -> device copy per chunk
+(kv_regions.PinnedStaging); a CPU one straight from the received bytes."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -27,7 +31,15 @@ from kvrelay.transfer.grpc_server import (
     KVTransferServicer,
     start_server,
 )
-from kvrelay.transfer.kv_regions import block_byte_rows, check_block_ids, check_kv_tensor
+from kvrelay.transfer.kv_regions import (
+    PinnedStaging,
+    StagingPool,
+    block_byte_rows,
+    check_block_ids,
+    check_kv_tensor,
+    chunk_segments,
+    flat_bytes,
+)
 from kvrelay.transfer.tls import KVTLS
 from kvrelay.v1 import kv_transfer_pb2 as pb
 from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -96,7 +108,9 @@ class GrpcConnector(KVConnector):
         self._server: grpc.Server | None = None
         self._servicer: KVTransferServicer | None = None
         self._rows: torch.Tensor | None = None  # our KV tensor as [num_blocks, block_bytes]
-        self._rows_np: np.ndarray | None = None  # the same memory, on CPU only
+        self._flat: torch.Tensor | None = None  # the same memory as flat bytes
+        self._flat_np: np.ndarray | None = None  # the same again, on CPU only
+        self._staging: StagingPool | None = None  # pinned buffers for GPU pulls
         self._engine_id = ""
         self._epoch = 0
         self._peers: dict[str, _Peer] = {}
@@ -107,7 +121,12 @@ class GrpcConnector(KVConnector):
             raise RuntimeError("register is called once per connector; make a new one")
         check_kv_tensor(kv_tensor)
         self._rows = block_byte_rows(kv_tensor)
-        self._rows_np = None if kv_tensor.is_cuda else self._rows.numpy()
+        self._flat = flat_bytes(kv_tensor)
+        if kv_tensor.is_cuda:
+            # Sized for our own chunk size; a peer sending larger chunks grows a buffer once.
+            self._staging = StagingPool(kv_tensor.device, self._chunk_bytes)
+        else:
+            self._flat_np = self._flat.numpy()
         self._engine_id, self._epoch = engine_id, epoch
         if self.serve:
             self._servicer = KVTransferServicer(
@@ -180,11 +199,12 @@ class GrpcConnector(KVConnector):
         expected = len(plan.local_block_ids) * rows.shape[1]
         received = 0
         try:
-            for chunk in peer.stub.PullBlocks(request, timeout=self.timeout_s):
-                if chunk.offset != received or received + len(chunk.data) > expected:
-                    raise TransferError(f"{what}: bytes out of order at offset {chunk.offset}")
-                self._write(plan.local_block_ids, chunk.offset, chunk.data)
-                received += len(chunk.data)
+            with self._staged() as staging:
+                for chunk in peer.stub.PullBlocks(request, timeout=self.timeout_s):
+                    if chunk.offset != received or received + len(chunk.data) > expected:
+                        raise TransferError(f"{what}: bytes out of order at offset {chunk.offset}")
+                    self._write(plan.local_block_ids, chunk.offset, chunk.data, staging)
+                    received += len(chunk.data)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
             if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -241,19 +261,31 @@ class GrpcConnector(KVConnector):
             proof=proof,
         )
 
-    def _write(self, local_block_ids: tuple[int, ...], offset: int, data: bytes) -> None:
+    @contextmanager
+    def _staged(self) -> Iterator[PinnedStaging | None]:
+        """A pinned staging for one pull into a GPU tensor (every copy landed on exit, so a
+        finished pull's blocks are readable by the engine's stream); None for a CPU tensor."""
+        if self._staging is None:
+            yield None
+            return
+        with self._staging.lease() as staging:
+            yield staging
+
+    def _write(
+        self,
+        local_block_ids: tuple[int, ...],
+        offset: int,
+        data: bytes,
+        staging: PinnedStaging | None,
+    ) -> None:
         """Copy `data`, at `offset` of the concatenated pulled blocks, into our blocks."""
         assert self._rows is not None
-        size = self._rows.shape[1]
-        done = 0
-        while done < len(data):
-            index, within = divmod(offset + done, size)
-            count = min(size - within, len(data) - done)
-            block = local_block_ids[index]
-            if self._rows_np is not None:
-                src = np.frombuffer(data, dtype=np.uint8, count=count, offset=done)
-                self._rows_np[block, within : within + count] = src
-            else:  # a CUDA tensor: stage in a writable buffer (frombuffer needs one)
-                staged = torch.frombuffer(bytearray(data[done : done + count]), dtype=torch.uint8)
-                self._rows[block, within : within + count].copy_(staged)
-            done += count
+        segments = chunk_segments(local_block_ids, self._rows.shape[1], offset, len(data))
+        if staging is not None:
+            assert self._flat is not None
+            staging.write(self._flat, segments, data)
+            return
+        assert self._flat_np is not None
+        for seg in segments:
+            src = np.frombuffer(data, dtype=np.uint8, count=seg.nbytes, offset=seg.src)
+            self._flat_np[seg.dst : seg.dst + seg.nbytes] = src
