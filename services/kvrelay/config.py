@@ -185,6 +185,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
+    # CUDA: run every step eagerly (no CUDA graphs for decode steps).
+    enforce_eager: bool = False
     # Disaggregation: "both" runs whole requests; "prefill" stops after the first token and
     # holds the prompt's blocks under a lease for a decode engine; "decode" also accepts
     # requests whose prompt KV it pulls from a prefill engine.

@@ -15,6 +15,7 @@ from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvrelay.engine.device import resolve_device, resolve_dtype
 from kvrelay.engine.engine import Engine
 
+_CPU_KV_MEMORY = "512MiB"  # the KV budget when no size is given and no GPU sizes it
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -40,7 +41,9 @@ class EngineArgs:
     model: str | None = None
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory: int | str = "512MiB"
+    # None: on CUDA, sized by gpu_memory_utilization after a profiling step; elsewhere 512MiB.
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
@@ -51,6 +54,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     role: str = "both"  # "both" | "prefill" | "decode" (disaggregated serving)
     kv_lease_seconds: float = 30.0  # prefill role: how long a handed-off KV waits for a pull
     kv_transfer_failure: str = "recompute"  # decode role: "recompute" | "fail" an unusable KV
@@ -79,13 +83,17 @@ class EngineArgs:
                 f"{model_config.max_position_embeddings} positions"
             )
         device = resolve_device(self.device)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         return EngineConfig(
             model=str(model_path),
             model_config=model_config,
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
-                kv_cache_memory=parse_bytes(self.kv_cache_memory),
+                kv_cache_memory=parse_bytes(self.kv_cache_memory or _CPU_KV_MEMORY),
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
@@ -99,6 +107,7 @@ class EngineArgs:
             seed=self.seed,
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             role=self.role,
             kv_lease_seconds=self.kv_lease_seconds,
             kv_transfer_failure=self.kv_transfer_failure,
@@ -128,8 +137,18 @@ class EngineArgs:
             device=config.device,
         )
         model.prepack()
+        if self.sizes_kv_by_utilization(config.device):
+            from kvrelay.engine.memory_profile import size_kv_cache_for_gpu
+
+            config = size_kv_cache_for_gpu(config, model, self.gpu_memory_utilization)
         tokenizer = load_tokenizer(path) if with_tokenizer and has_tokenizer(path) else None
         return Engine(config, model, tokenizer)
+
+    def sizes_kv_by_utilization(self, device: str) -> bool:
+        """Whether the KV cache is sized from free GPU memory: on CUDA, when no size is given."""
+        return (
+            device.startswith("cuda") and self.num_blocks is None and self.kv_cache_memory is None
+        )
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
@@ -150,7 +169,13 @@ class EngineArgs:
         add("--model", default=None, help=_HELP["model"])
         add("--block-size", type=int, default=16, help=_HELP["block_size"])
         add("--num-blocks", type=int, default=None, help=_HELP["num_blocks"])
-        add("--kv-cache-memory", default="512MiB", help=_HELP["kv_cache_memory"])
+        add("--kv-cache-memory", default=None, help=_HELP["kv_cache_memory"])
+        add(
+            "--gpu-memory-utilization",
+            type=float,
+            default=0.9,
+            help=_HELP["gpu_memory_utilization"],
+        )
         add(
             "--no-prefix-caching",
             dest="enable_prefix_caching",
@@ -176,6 +201,7 @@ class EngineArgs:
         add("--seed", type=int, default=0, help=_HELP["seed"])
         add("--num-threads", type=int, default=None, help=_HELP["num_threads"])
         add("--attention-backend", default="auto", help=_HELP["attention_backend"])
+        add("--enforce-eager", action="store_true", help=_HELP["enforce_eager"])
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -187,7 +213,14 @@ _HELP = {
     "default: the embedded SmolLM2-135M-Instruct, converted once into ~/.cache/kvrelay",
     "block_size": "tokens per KV block (power of two, default 16)",
     "num_blocks": "KV cache size in blocks; overrides --kv-cache-memory",
-    "kv_cache_memory": "KV cache budget in bytes, e.g. 512MiB or 2GB (default 512MiB)",
+    "kv_cache_memory": "KV cache budget in bytes, e.g. 512MiB or 2GB (default: on CUDA, what "
+    "--gpu-memory-utilization leaves; 512MiB elsewhere)",
+    "gpu_memory_utilization": "CUDA: the fraction of the GPU's memory this engine may use, "
+    "weights, activations and KV cache together (default 0.9); the KV cache gets what is left "
+    "after the weights and a profiled step of --max-num-batched-tokens, unless --num-blocks or "
+    "--kv-cache-memory is given",
+    "enforce_eager": "CUDA: run every step eagerly, no CUDA graphs (by default decode steps "
+    "replay graphs captured at batch sizes 1, 2, 4, 8, ... up to --max-num-seqs)",
     "enable_prefix_caching": "turn prefix caching off",
     "max_num_batched_tokens": "token budget of one engine step, decode tokens and prefill "
     "chunks together (default 512); longer prompts are prefilled in chunks",
