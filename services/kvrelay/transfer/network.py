@@ -1,6 +1,10 @@
 """Where a worker's KV transports listen: loopback unless configured (a local `serve`), the
 configured interface in a cluster; and whether the gRPC channel runs mTLS (transfer/tls.py).
-Read from the environment, which Kubernetes sets per pod.
+Read from the environment, which Kubernetes sets per pod ($KVRELAY_KV_HOST from status.podIP).
+
+Peers are told the address that is bound, never a wildcard (0.0.0.0 or ::, which a peer would
+dial as its own loopback): a wildcard bind needs $KVRELAY_KV_ADVERTISE_HOST. A host name is
+advertised as is, for the puller to resolve (a Service name, or a certificate's name).
 """
 
 from __future__ import annotations
@@ -29,12 +33,29 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 class KVNetwork:
     """`host`: the gRPC KV server's bind address; `advertise_host`: what peers dial (default
     `host`); `ucx_net_devices`: the network devices UCX (NIXL) may listen on, None for all;
-    `tls`: mTLS for the gRPC KV channel (None: plaintext)."""
+    `tls`: mTLS for the gRPC KV channel (None: plaintext).
+
+    Raises:
+        ValueError: the address peers would dial is a wildcard (see `peer_host`).
+    """
 
     host: str = LOOPBACK
     advertise_host: str | None = None
     ucx_net_devices: str | None = "lo"
     tls: KVTLS | None = None
+
+    def __post_init__(self) -> None:
+        if is_wildcard(self.peer_host):
+            raise ValueError(
+                f"the KV server would tell peers to dial {self.peer_host}, which is no address "
+                f"(it binds every interface): set ${KV_HOST_ENV} to the pod's IP "
+                f"(status.podIP), or ${KV_ADVERTISE_HOST_ENV} to the address peers reach"
+            )
+
+    @property
+    def peer_host(self) -> str:
+        """The address peers dial: the advertised one, else the bound one."""
+        return self.advertise_host or self.host
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KVNetwork:
@@ -42,12 +63,16 @@ class KVNetwork:
         from $UCX_NET_DEVICES, else the interface that holds the KV host's address; TLS from
         $KVRELAY_KV_TLS_CERT / _KEY / _CA / _SERVER_NAME (KVTLS.from_env).
 
+        The advertised host is always set (to the bound one when not given), so a connector
+        built from this network tells peers exactly where it listens.
+
         Raises:
             KVTLSError: the TLS settings are incomplete or unreadable.
+            ValueError: a wildcard bind without an advertised address.
         """
         env = os.environ if environ is None else environ
         host = env.get(KV_HOST_ENV, "").strip() or LOOPBACK
-        advertise = env.get(KV_ADVERTISE_HOST_ENV, "").strip() or None
+        advertise = env.get(KV_ADVERTISE_HOST_ENV, "").strip() or host
         devices = env.get(UCX_NET_DEVICES_ENV, "").strip() or interface_of(host)
         if devices is None:
             logger.warning(
@@ -57,6 +82,14 @@ class KVNetwork:
                 UCX_NET_DEVICES_ENV,
             )
         return cls(host, advertise, devices, KVTLS.from_env(env))
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether `host` is an unspecified address (0.0.0.0, ::, [::]): bindable, not dialable."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return host.strip() == ""
 
 
 def interface_of(host: str) -> str | None:
