@@ -168,3 +168,18 @@ def test_the_call_out_is_a_warning_and_nixl_is_not_checked(
         assert warn_if_unreachable(meta("\x00opaque", backend="nixl"), prefill, decode)
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "127.0.0.1:5000" in caplog.records[0].getMessage()
+
+
+def test_failed_pulls_since_the_last_poll_are_counted() -> None:
+    from kvrelay.messages import EngineStats
+    from kvrelay.router.kv_reach import warn_of_fallbacks
+
+    def stats(fallbacks: int, failures: int = 0) -> EngineStats:
+        return EngineStats(
+            0, 0, 64, 64, 0.0, 0, 0, 0, kv_pull_fallbacks=fallbacks, kv_transfer_failures=failures
+        )
+
+    decode = info("d", Role.DECODE, NEW)
+    assert warn_of_fallbacks(decode, None, stats(5)) == 0  # first sight: no baseline
+    assert warn_of_fallbacks(decode, stats(5), stats(5)) == 0
+    assert warn_of_fallbacks(decode, stats(5), stats(7, 1)) == 3

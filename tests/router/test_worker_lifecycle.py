@@ -6,6 +6,7 @@ every router replica sees it), and generations paired end to end, migration incl
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -267,3 +268,23 @@ async def test_a_migrated_stream_resumes_in_its_own_generation(
     assert await bounded(streaming) == model_tokens(PROMPT, 12)
     assert [rid for rid, _ in (await state(spare)).resumed] == ["moving"]
     assert (await state(other_generation)).calls == ()
+
+
+# -- KV that does not travel is said in the router's log --
+
+
+async def test_a_decode_workers_failed_pulls_are_a_warning_at_the_router(
+    actors: Actors, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failed pull recomputes at the decode worker, correct but slow; its own log names the
+    peer and address. The router, which operators read, says it too when it polls."""
+    prefill = actors.fake("prefill", "p0", pod="pod-p")
+    decode = actors.fake("decode", "d0", pod="pod-d", pull_fails=True)
+    router = await router_over(prefill, decode)
+    out = await bounded(complete(router, fresh_prompt(50), SamplingParams(max_tokens=3)))
+    assert out.choices[0].token_ids == model_tokens(fresh_prompt(50), 3)  # recomputed
+    with caplog.at_level(logging.WARNING, logger="kvrelay.router.kv_reach"):
+        await bounded(router.registry.refresh())
+        await bounded(router.registry.refresh())  # nothing new: no second warning
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "kvrelay.router.kv_reach"]
+    assert "d0" in message and "1 KV pull(s) failed" in message

@@ -1,13 +1,14 @@
-"""A check at introduction time: can a decode worker reach the KV address a prefill worker
-advertises? A loopback address is reachable from the same pod (or host) only; across pods every
-pull would fail and fall back to recompute, so the router says so, loudly, once per pair."""
+"""Whether KV really travels, said where operators look (the router's log): at introduction,
+can a decode worker reach the KV address a prefill worker advertises? (a loopback address is
+reachable from the same pod or host only; across pods every pull would fail and fall back to
+recompute); and, at each poll, did a decode worker recompute prompts whose pull failed?"""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
 
-from kvrelay.messages import PeerMetadata, WorkerInfo
+from kvrelay.messages import EngineStats, PeerMetadata, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -49,3 +50,25 @@ def warn_if_unreachable(meta: PeerMetadata, prefill: WorkerInfo, decode: WorkerI
     if reason is not None:
         logger.warning("%s", reason)
     return reason is None
+
+
+def warn_of_fallbacks(worker: WorkerInfo, before: EngineStats | None, now: EngineStats) -> int:
+    """Log a WARNING when a worker's KV pulls failed since its last stats (recomputed, or
+    failed under kv_transfer_failure="fail"); returns how many. The worker's own log names
+    the prefill worker and the address of each."""
+    if before is None:
+        return 0
+    failed = (now.kv_pull_fallbacks + now.kv_transfer_failures) - (
+        before.kv_pull_fallbacks + before.kv_transfer_failures
+    )
+    if failed > 0:
+        logger.warning(
+            "decode worker %s (pod %s): %d KV pull(s) failed since its last stats (%d "
+            "recomputed in all); its log names the prefill worker and address of each: a "
+            "wrong KVRELAY_KV_HOST, a network policy, or a mismatched KV secret",
+            worker.engine_id,
+            worker.pod or "-",
+            failed,
+            now.kv_pull_fallbacks,
+        )
+    return max(failed, 0)

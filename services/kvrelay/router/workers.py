@@ -18,7 +18,7 @@ from typing import Any
 
 from kvrelay.messages import DrainState, EngineStats, PeerMetadata, Role, WorkerInfo, WorkerStatus
 from kvrelay.router.generations import own_generation, pick_generation
-from kvrelay.router.kv_reach import warn_if_unreachable
+from kvrelay.router.kv_reach import warn_if_unreachable, warn_of_fallbacks
 from kvrelay.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -319,7 +319,9 @@ class WorkerRegistry:
                 status: WorkerStatus = await worker.handle.status.remote()
                 worker.healthy = status.alive
                 worker.draining = status.state is DrainState.DRAINING
-                worker.stats = await worker.handle.stats.remote()
+                stats: EngineStats = await worker.handle.stats.remote()
+                warn_of_fallbacks(worker.info, worker.stats, stats)
+                worker.stats = stats
                 if with_hashes:
                     hashes = await worker.handle.cached_block_hashes.remote()
                     self.index.replace(worker.worker_id, hashes)
