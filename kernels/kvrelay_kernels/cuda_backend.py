@@ -25,6 +25,8 @@ from kvrelay_kernels.split import split_attention
 logger = logging.getLogger(__name__)
 
 _NAME = "kvrelay_cuda_kernels"
+# Tokens per split-K partition: kPartitionSize in kernels/csrc/kvrelay_ops.h.
+PARTITION_SIZE = 512
 # Head sizes and dtypes with compiled decode kernels (kernels/csrc/paged_decode.cuh).
 HEAD_DIMS = frozenset({64, 80, 96, 128, 256})
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -79,6 +81,15 @@ def _build() -> ModuleType | None:
 
 def is_available() -> bool:
     return load_extension() is not None
+
+
+def decode_kernel_runs(kv_cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether decode steps on `kv_cache` (queries of `num_heads` heads in its dtype) run
+    the compiled CUDA decode kernel (what CUDA graphs of decode steps are captured for)."""
+    if not kv_cache.is_cuda or load_extension() is None:
+        return False
+    query = torch.empty(1, num_heads, kv_cache.shape[5], dtype=kv_cache.dtype, device="meta")
+    return _decode_supported(query, kv_cache)
 
 
 def _decode_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -138,6 +149,23 @@ def split_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, partitio
     return num_seqs * num_heads * partitions * (head_dim + 2)
 
 
+def max_partitions(max_seq_len: int) -> int:
+    """The split-K count that covers any context up to `max_seq_len` (the kernel uses this
+    many, or 1: one partition covers any length)."""
+    return max(1, -(-max_seq_len // PARTITION_SIZE))
+
+
+def graph_partitions(max_seq_len: int, num_seqs: int, num_kv_heads: int, group: int) -> int:
+    """The fixed split-K count for a CUDA graph of `num_seqs` decodes whose contexts may reach
+    `max_seq_len`: the kernel's own choice for that worst case (1 or `max_partitions`)."""
+    module = load_extension()
+    assert module is not None, "graph_partitions needs the CUDA kernels"
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    parts = int(module.decode_num_partitions(max_seq_len, num_seqs, num_kv_heads, group, sms))
+    assert parts in (1, max_partitions(max_seq_len)), parts
+    return parts
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -171,8 +199,9 @@ def paged_attention(
         q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, into: torch.Tensor | None
     ) -> torch.Tensor:
         return decode_attention(
-            q, kv_cache, layer, tables, lens, plan.decode_context, scale, out=into
-        )
+            q, kv_cache, layer, tables, lens, plan.decode_context, scale, out=into,
+            num_partitions=plan.decode_partitions, workspace=plan.decode_workspace,
+        )  # fmt: skip
 
     if out is not None and not out.is_contiguous():
         # The decode kernel writes contiguous rows; a strided `out` gets the result copied.

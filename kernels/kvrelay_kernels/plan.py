@@ -68,6 +68,10 @@ class AttentionPlan:
     prefill_token_idx: torch.Tensor | None = None  # [prefill tokens] int64
     prefill_seq_idx: torch.Tensor | None = None  # [num_prefills] int64
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] int32
+    # CUDA graphs: a fixed split-K partition count (0: the kernel decides per call) and the
+    # preallocated fp32 scratch it needs, so a captured launch never changes shape.
+    decode_partitions: int = 0
+    decode_workspace: torch.Tensor | None = None
 
     @property
     def has_decodes(self) -> bool:

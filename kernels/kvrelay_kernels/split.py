@@ -41,8 +41,8 @@ def split_attention(
 ) -> torch.Tensor:
     """Attention of a step with decodes and prefills (`plan` built from the same metadata):
     `decode` runs once on every decode row, `prefill` once on every prefill row."""
-    if out is None:
-        out = torch.empty_like(query)
+    if out is None:  # contiguous whatever the query's strides: the decode kernel needs it
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if plan.has_decodes:
         _decodes(query, block_tables, seq_lens, plan, out, decode)
     if plan.prefills:

@@ -29,6 +29,7 @@ def test_budget_is_utilization_of_total_minus_what_is_used() -> None:
     profile = MemoryProfile(total=80 * GIB, used_before=10 * GIB, peak_increase=2 * GIB)
     assert kv_cache_budget(profile, 0.9) == int(72 * GIB) - 12 * GIB
     assert kv_cache_budget(profile, 1.0) == 68 * GIB
+    assert kv_cache_budget(profile, 1.0, reserved=GIB) == 67 * GIB  # the graphs' scratch
     # Another process already holds most of the GPU: nothing is left, never a negative size.
     crowded = MemoryProfile(total=80 * GIB, used_before=75 * GIB, peak_increase=GIB)
     assert kv_cache_budget(crowded, 0.9) == 0

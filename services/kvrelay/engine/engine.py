@@ -62,6 +62,8 @@ class Engine:
             max_blocks_per_seq=-(-self.max_total_tokens // block_size),
             max_num_seqs=config.scheduler.max_num_seqs,
         )
+        if config.device.startswith("cuda") and not config.enforce_eager:
+            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_total_tokens)
         self.role = Role(config.role)
         self.handoff = KVHandoff(
             self.kv_cache,

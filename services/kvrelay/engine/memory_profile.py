@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvrelay.config import EngineConfig
+from kvrelay.engine.cuda_graphs import DecodeGraphs
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
 from kvrelay.engine.runner import CausalLMModel
 from kvrelay.models.inputs import AttentionInputs
@@ -32,10 +33,11 @@ class MemoryProfile:
     peak_increase: int  # the pass's peak allocation above what was allocated before it
 
 
-def kv_cache_budget(profile: MemoryProfile, utilization: float) -> int:
-    """Bytes left for the KV cache: `utilization x total - used - peak` (0 when negative)."""
-    budget = int(profile.total * utilization) - profile.used_before - profile.peak_increase
-    return max(budget, 0)
+def kv_cache_budget(profile: MemoryProfile, utilization: float, reserved: int = 0) -> int:
+    """Bytes left for the KV cache: `utilization x total - used - peak - reserved` (0 when
+    negative); `reserved` is what is allocated later (the CUDA graphs' scratch)."""
+    used = profile.used_before + profile.peak_increase + reserved
+    return max(int(profile.total * utilization) - used, 0)
 
 
 def kv_blocks_for_budget(
@@ -173,8 +175,13 @@ def size_kv_cache_for_gpu(
     )
     del scratch
     torch.cuda.empty_cache()
+    reserved = 0
+    if not config.enforce_eager:
+        reserved = DecodeGraphs.workspace_bytes(
+            config.model_config, config.scheduler.max_num_seqs, config.max_model_len
+        )
     blocks = kv_blocks_for_budget(
-        kv_cache_budget(profile, utilization),
+        kv_cache_budget(profile, utilization, reserved),
         kv_block_bytes(config.model_config, block_size, dtype),
         block_size,
         config.max_model_len,

@@ -6,12 +6,14 @@ does) nor what a token means for the request (the engine does).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
+from kvrelay.engine.cuda_graphs import DecodeGraphs
 from kvrelay.engine.isolation import sample_isolating
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
@@ -19,6 +21,9 @@ from kvrelay.engine.scheduler import ScheduledChunk
 from kvrelay.engine.step_upload import StepUploader
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay_kernels import AttentionBackend
+from kvrelay_kernels.counters import COUNTERS
+
+logger = logging.getLogger(__name__)
 
 
 class CausalLMModel(Protocol):
@@ -151,9 +156,35 @@ class ModelRunner:
         self.sampler = sampler
         # On the CPU the host-built tensors are used as they are: no staging, no copies.
         self.uploader: StepUploader | None = None
+        self.max_blocks_per_seq = max_blocks_per_seq or int(kv_cache.shape[0])
         if self.device.type != "cpu":
-            max_blocks = max_blocks_per_seq or int(kv_cache.shape[0])
-            self.uploader = StepUploader(self.device, max_blocks, max_num_seqs)
+            self.uploader = StepUploader(self.device, self.max_blocks_per_seq, max_num_seqs)
+        self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
+        self.counters = COUNTERS  # kernel launches, graph replays, eager steps (counters.py)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Capture decode graphs (cuda_graphs.py) when this model and cache can use them;
+        returns whether it did (the reason is logged when not)."""
+        reason = DecodeGraphs.supported(self.model, self.kv_cache)
+        if reason is not None:
+            logger.info("CUDA graphs off: %s", reason)
+            return False
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, max_num_seqs, self.max_blocks_per_seq, max_model_len
+        )
+        graphs.capture()
+        self.graphs = graphs
+        return True
+
+    def forward(self, inputs: BatchInputs) -> torch.Tensor:
+        """The step's hidden states: a captured graph's replay for a decode step that fits
+        one, else the eager forward pass."""
+        if self.graphs is not None:
+            size = self.graphs.size_for(inputs.attn, int(inputs.input_ids.shape[0]))
+            if size is not None:
+                return self.graphs.run(size, inputs.input_ids, inputs.positions, inputs.attn)
+        COUNTERS.eager_steps += 1
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
 
     def prepare(
         self,
@@ -200,7 +231,7 @@ class ModelRunner:
             # Before the forward pass: it may write into a copy's source (its last owner).
             self.model.backend.copy_blocks(self.kv_cache, step.copy_src, step.copy_dst)
         inputs = step.inputs
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
+        hidden = self.forward(inputs)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:
             return StepResult([], [])
