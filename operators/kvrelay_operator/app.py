@@ -1,11 +1,17 @@
-"""`kvrelay operator`: its flags and the process that runs kopf, the probe endpoint and the
-metrics endpoint. Heavy imports happen inside `run_operator`, so `--help` stays instant.
+"""`kvrelay operator` / `python -m kvrelay_operator`: its flags and the process that runs
+kopf, the probe endpoint and the metrics endpoint. Heavy imports happen inside
+`run_operator`, so `--help` stays instant.
+
+Replicas coordinate through kopf peering: each announces itself with a random priority in a
+(Cluster)KopfPeering object, only the highest acts, and the others take over when its entry
+expires. Equal priorities would pause every replica, hence random ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 
 
@@ -49,6 +55,24 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
         help="reconcile every service this often, events or not (default 30)",
     )
     parser.add_argument(
+        "--peering",
+        default=os.environ.get("KVRELAY_PEERING", "kvrelay"),
+        metavar="NAME",
+        help="kopf peering object shared by the operator's replicas: only one acts "
+        "(default $KVRELAY_PEERING or kvrelay; the chart creates it)",
+    )
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="no peering: for a single operator where the peering CRDs are not installed",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority; the highest live replica acts (default: random)",
+    )
+    parser.add_argument(
         "--planner-seconds",
         type=float,
         default=15.0,
@@ -86,7 +110,9 @@ def run_operator(args: argparse.Namespace) -> int:
     kopf.run(
         registry=build_registry(args.resync_seconds, args.planner_seconds),
         memo=state,
-        standalone=True,  # one replica (Recreate); no peering objects needed
+        standalone=args.standalone,
+        peering_name=args.peering,
+        priority=args.priority if args.priority is not None else 1 + secrets.randbelow(2**30),
         clusterwide=args.all_namespaces,
         namespaces=args.namespace,
         liveness_endpoint=f"http://{args.probe_host}:{args.probe_port}/healthz",

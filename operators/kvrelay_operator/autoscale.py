@@ -22,8 +22,8 @@ from kvrelay_operator.names import (
     POOL_KIND,
     POOLS,
     SERVICE_KIND,
+    component_selector,
     pool_name,
-    selector_labels,
 )
 from kvrelay_operator.planner import Decision, decide
 from kvrelay_operator.signals import RouterSample, parse_router_metrics, pool_signal
@@ -50,7 +50,7 @@ def autoscaled_pools(spec: ServiceSpec) -> list[str]:
 
 def scrape_routers(kube: Kube, spec: ServiceSpec, timeout: float = 2.0) -> list[str]:
     """`/metrics` of every running router pod; a pod that does not answer is skipped."""
-    selector = ",".join(f"{k}={v}" for k, v in selector_labels(spec.name, "router").items())
+    selector = component_selector(spec.name, "router")
     texts = []
     for pod in kube.list("v1", "Pod", spec.namespace, selector):
         ip = (pod.get("status") or {}).get("podIP")

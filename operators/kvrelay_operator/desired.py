@@ -7,20 +7,21 @@ reconcile is "apply all of these" and a spec change shows as the objects that di
 
 from __future__ import annotations
 
+import base64
 import copy
 from collections.abc import Mapping, Sequence
 
+from kvrelay_operator.generation import generation_hash
 from kvrelay_operator.names import (
     API_VERSION,
+    KV_SECRET_KEY,
     POOL_KIND,
     POOLS,
-    RAY_CLUSTER_LABEL,
-    RAY_GROUP_LABEL,
     SERVICE_KIND,
+    kv_secret_name,
     labels,
     pdb_name,
     pool_name,
-    raycluster_name,
     router_name,
     selector_labels,
 )
@@ -39,6 +40,10 @@ def object_key(obj: Mapping[str, object]) -> ObjectKey:
 
 
 def owner_reference(spec: ServiceSpec) -> Obj:
+    """The service owns every child: deleting it deletes them (garbage collection), with no
+    finalizer that needs the operator. blockOwnerDeletion needs `update` on
+    kvrelayservices/finalizers where OwnerReferencesPermissionEnforcement is on (the chart's
+    RBAC grants it)."""
     return {
         "apiVersion": API_VERSION,
         "kind": SERVICE_KIND,
@@ -87,11 +92,25 @@ def _pdb(spec: ServiceSpec, component: str, match: Mapping[str, str]) -> Obj:
 
 
 def desired_pdbs(spec: ServiceSpec) -> list[Obj]:
-    pdbs = [_pdb(spec, "router", selector_labels(spec.name, "router"))]
-    for pool in POOLS:
-        match = {RAY_CLUSTER_LABEL: raycluster_name(spec.name), RAY_GROUP_LABEL: pool}
-        pdbs.append(_pdb(spec, pool, match))
-    return pdbs
+    """One per component; a pool's spans its generations (a blue/green upgrade has two)."""
+    return [_pdb(spec, c, selector_labels(spec.name, c)) for c in ("router", *POOLS)]
+
+
+def desired_kv_secret(spec: ServiceSpec, key: bytes) -> Obj:
+    """The KV transfer Secret the operator creates once (never applied again: the key must
+    not change under running workers) when the service names none of its own."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": kv_secret_name(spec.name),
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, "kv"),
+            "ownerReferences": [owner_reference(spec)],
+        },
+        "type": "Opaque",
+        "data": {KV_SECRET_KEY: base64.b64encode(key).decode()},
+    }
 
 
 def desired_service_monitor(spec: ServiceSpec) -> Obj:
@@ -112,18 +131,28 @@ def desired_service_monitor(spec: ServiceSpec) -> Obj:
     }
 
 
-def desired_objects(spec: ServiceSpec, observed_pools: Mapping[str, int | None]) -> list[Obj]:
+def desired_objects(
+    spec: ServiceSpec,
+    observed_pools: Mapping[str, int | None],
+    group_sizes: Mapping[str, int] | None = None,
+    workers_to_delete: Mapping[str, Sequence[str]] | None = None,
+) -> list[Obj]:
     """Every child of the service, in apply order, each owned by the service.
 
     Args:
         spec: the parsed service.
         observed_pools: pool -> its KVRelayPool's `spec.replicas`, None when it does not
             exist yet.
+        group_sizes: pool -> the worker group's replicas when it differs from the pool's
+            (a shrink waiting for its drain keeps the group at its size); default: the pool's.
+        workers_to_delete: pool -> the drained pods a shrink removes.
     """
     sizes = pool_replicas(spec, observed_pools)
+    generation = generation_hash(spec)
     objects = [desired_pool(spec, pool, sizes[pool]) for pool in POOLS]
-    objects.append(desired_raycluster(spec, sizes))
-    objects.append(desired_router_deployment(spec))
+    groups = {**sizes, **(group_sizes or {})}
+    objects.append(desired_raycluster(spec, generation, groups, workers_to_delete))
+    objects.append(desired_router_deployment(spec, generation))
     objects.append(desired_router_service(spec))
     objects.extend(desired_pdbs(spec))
     if spec.service_monitor:

@@ -3,10 +3,16 @@ lines over `reconcile` and `autoscale`; errors become kopf's temporary or perman
 
 Handlers go into a registry built by `build_registry`, not kopf's global one, so importing
 this module registers nothing and tests can build several.
+
+No handler puts a finalizer on a KVRelayService: children go by garbage collection (owner
+references), so deleting a service never waits for the operator, even one uninstalled first.
+kopf would add one for its timers (to stop them gracefully); `_without_finalizers` turns that
+off, since a timer of a deleted service has nothing to finish.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -16,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from kvrelay_operator.autoscale import autoscaled_pools, plan_service, rfc3339, scrape_routers
+from kvrelay_operator.autoscale import autoscaled_pools, plan_service, scrape_routers
 from kvrelay_operator.errors import PermanentError, RetryableError, SpecError
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.metrics import OperatorMetrics
@@ -28,7 +34,7 @@ from kvrelay_operator.names import (
     SERVICE_PLURAL,
     VERSION,
 )
-from kvrelay_operator.reconcile import reconcile
+from kvrelay_operator.reconcile import draining, reconcile
 from kvrelay_operator.signals import RouterSample
 from kvrelay_operator.spec import parse_service
 
@@ -60,9 +66,22 @@ def _kopf_errors(state: OperatorState) -> Iterator[None]:
     state.metrics.reconciles.labels("ok").inc()
 
 
+# How soon a shrink waiting for its drain is looked at again (the resync may be slower).
+DRAIN_POLL_SECONDS = 5.0
+
+
 def _reconcile(body: Mapping[str, Any], state: OperatorState) -> None:
     with _kopf_errors(state):
-        reconcile(state.kube, body, state.default_image, rfc3339(time.time()))
+        reconcile(state.kube, body, state.default_image, time.time())
+
+
+def _without_finalizers(registry: kopf.OperatorRegistry) -> None:
+    """Timers and daemons register with requires_finalizer=True and kopf offers no flag to
+    change it; replace them (frozen dataclasses) with copies that do not."""
+    spawning = registry._spawning
+    spawning._handlers = [
+        dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers
+    ]
 
 
 def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.OperatorRegistry:
@@ -101,8 +120,13 @@ def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.Operat
         state: OperatorState = memo
         service = str(spec.get("service"))
         owner = state.kube.get(API_VERSION, SERVICE_KIND, str(namespace), service)
-        if owner is not None:
-            _reconcile(owner, state)
+        if owner is None:
+            return
+        _reconcile(owner, state)
+        after = state.kube.get(API_VERSION, SERVICE_KIND, str(namespace), service) or {}
+        if draining(after.get("status") or {}):
+            # A shrink waits for its workers to drain: look again soon, not at the resync.
+            raise kopf.TemporaryError("waiting for drained workers", delay=DRAIN_POLL_SECONDS)
 
     @kopf.on.delete(*resource, registry=registry, optional=True)
     def on_delete(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
@@ -110,6 +134,7 @@ def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.Operat
         window."""
         memo.samples.pop((str(namespace), name), None)
 
+    _without_finalizers(registry)
     return registry
 
 

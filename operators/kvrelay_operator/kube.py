@@ -22,6 +22,7 @@ PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
     "Pod": "pods",
+    "Secret": "secrets",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
 }
@@ -98,6 +99,13 @@ class Kube:
         if result is None:
             raise PermanentError(f"apply {path} returned nothing")
         return result
+
+    def apply_cluster(self, obj: Mapping[str, Any], api_version: str, plural: str) -> None:
+        """Server-side apply a cluster-scoped object (a CRD, from the upgrade hook)."""
+        root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        path = f"{root}/{plural}/{obj['metadata']['name']}"
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        self._call("PATCH", path, obj, query, "application/apply-patch+yaml")
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create `obj`; None if it already exists (a racing reconcile created it)."""

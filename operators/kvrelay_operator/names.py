@@ -25,18 +25,29 @@ RAY_GCS_PORT = 6379
 CACHE_DIR = "/var/cache/kvrelay"
 MODEL_MOUNT = "/models"
 
+KV_SECRET_MOUNT = "/var/run/secrets/kvrelay/kv"
+KV_SECRET_KEY = "secret"
+
 # KubeRay's own pod labels: a worker group's pods carry both.
 RAY_CLUSTER_LABEL = "ray.io/cluster"
 RAY_GROUP_LABEL = "ray.io/group"
+# The worker generation of a RayCluster, its pods and the router pods that use it.
+GENERATION_LABEL = f"{GROUP}/generation"
 
 
-def raycluster_name(service: str) -> str:
-    return service
+def raycluster_name(service: str, generation: str) -> str:
+    """One RayCluster per generation (blue/green): `<service>-<first 8 hex of generation>`."""
+    return f"{service}-{generation[:8]}"
 
 
-def ray_head_service(service: str) -> str:
+def ray_head_service(service: str, generation: str) -> str:
     """The head Service KubeRay creates for a RayCluster."""
-    return f"{raycluster_name(service)}-head-svc"
+    return f"{raycluster_name(service, generation)}-head-svc"
+
+
+def kv_secret_name(service: str) -> str:
+    """The KV transfer Secret the operator creates when the service names none."""
+    return f"{service}-kv"
 
 
 def router_name(service: str) -> str:
@@ -51,9 +62,15 @@ def pdb_name(service: str, component: str) -> str:
     return f"{service}-{component}"
 
 
-def pool_selector(service: str, pool: str) -> str:
-    """The label selector of a pool's worker pods, as the scale subresource reports it."""
-    return f"{RAY_CLUSTER_LABEL}={raycluster_name(service)},{RAY_GROUP_LABEL}={pool}"
+def pool_selector(service: str, pool: str, generation: str) -> str:
+    """The label selector of a pool's worker pods in the serving generation, as the scale
+    subresource reports it."""
+    return f"{RAY_CLUSTER_LABEL}={raycluster_name(service, generation)},{RAY_GROUP_LABEL}={pool}"
+
+
+def component_selector(service: str, component: str) -> str:
+    """A selector string over `selector_labels`: every generation's pods of a component."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(service, component).items())
 
 
 def labels(service: str, component: str) -> dict[str, str]:

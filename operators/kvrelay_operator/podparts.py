@@ -8,62 +8,133 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay_operator.names import CACHE_DIR, MODEL_MOUNT
+from kvrelay_operator.names import (
+    CACHE_DIR,
+    KV_SECRET_KEY,
+    KV_SECRET_MOUNT,
+    MODEL_MOUNT,
+    kv_secret_name,
+)
 from kvrelay_operator.spec import Placement, ServiceSpec
 
 Obj = dict[str, Any]
 
 # The image's unprivileged user (see the Dockerfile); fsGroup lets it write the cache volume.
 RUN_AS_USER = 1000
+KV_SECRET_FILE_ENV = "KVRELAY_KV_SECRET_FILE"  # kvrelay.transfer.auth reads it
+GENERATION_ENV = "KVRELAY_GENERATION"
 
 
 def model_arg(spec: ServiceSpec) -> str:
     """The `--model` value every kvrelay process gets."""
-    if spec.model.source == "pvc":
-        return f"{MODEL_MOUNT}/{spec.model.pvc_path}".rstrip("/")
-    if spec.model.source == "folder":
-        return spec.model.folder
+    model = spec.model
+    if model.source == "pvc":
+        return f"{MODEL_MOUNT}/{model.pvc_path}".rstrip("/")
+    if model.source == "image":
+        return f"{MODEL_MOUNT}/{model.image_path}".rstrip("/")
+    if model.source == "folder":
+        return model.folder
     return "default"
 
 
-def volumes(spec: ServiceSpec) -> list[Obj]:
+def _model_volume(spec: ServiceSpec) -> Obj | None:
+    model = spec.model
+    if model.source == "pvc":
+        claim = {"claimName": model.pvc_claim, "readOnly": True}
+        return {"name": "model", "persistentVolumeClaim": claim}
+    if model.source == "image":
+        # An image volume (Kubernetes' ImageVolume feature): the model ships as an OCI image
+        # in the cluster's own registry, pulled like any image: nothing is fetched at start.
+        image = {"reference": model.image_ref, "pullPolicy": model.image_pull_policy}
+        return {"name": "model", "image": image}
+    return None
+
+
+def kv_secret(spec: ServiceSpec) -> str:
+    """The Secret holding the KV transfer key: the service's own, or the one we create."""
+    return spec.kv.secret_name or kv_secret_name(spec.name)
+
+
+def volumes(spec: ServiceSpec, kv: bool = False) -> list[Obj]:
+    """The pod's volumes: the cache, the model when it is a volume, and (`kv`) the KV secret."""
     cache: Obj = (
         {"name": "cache", "persistentVolumeClaim": {"claimName": spec.model.cache_claim}}
         if spec.model.cache_claim
         else {"name": "cache", "emptyDir": {}}
     )
     out = [cache]
-    if spec.model.source == "pvc":
-        out.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True},
-            }
-        )
+    model = _model_volume(spec)
+    if model is not None:
+        out.append(model)
+    if kv:
+        secret = {
+            "secretName": kv_secret(spec),
+            "items": [{"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}],
+            "defaultMode": 0o440,
+        }
+        out.append({"name": "kv-secret", "secret": secret})
     return out
 
 
-def volume_mounts(spec: ServiceSpec) -> list[Obj]:
+def volume_mounts(spec: ServiceSpec, kv: bool = False) -> list[Obj]:
     out: list[Obj] = [{"name": "cache", "mountPath": CACHE_DIR}]
-    if spec.model.source == "pvc":
+    if spec.model.mounted:
         out.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if kv:
+        out.append({"name": "kv-secret", "mountPath": KV_SECRET_MOUNT, "readOnly": True})
     return out
 
 
-def base_env(spec: ServiceSpec, component: str) -> list[Obj]:
+def _field_env(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def base_env(spec: ServiceSpec, component: str, generation: str) -> list[Obj]:
     return [
         {"name": "KVRELAY_CACHE_DIR", "value": CACHE_DIR},
         {"name": "KVRELAY_COMPONENT", "value": component},
         {"name": "KVRELAY_SERVICE", "value": spec.name},
+        {"name": GENERATION_ENV, "value": generation},
+        # Nothing is fetched from a model hub at run time (air-gapped clusters included).
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
         # Ray and torch size their thread pools from the node; keep them to the pod's share.
         {"name": "OMP_NUM_THREADS", "value": "1"},
     ]
 
 
-def container_security() -> Obj:
+def kv_env(spec: ServiceSpec) -> list[Obj]:
+    """What a pod that starts or hosts engines needs for the KV relay: the shared secret."""
+    return [{"name": KV_SECRET_FILE_ENV, "value": f"{KV_SECRET_MOUNT}/{KV_SECRET_KEY}"}]
+
+
+def worker_env(spec: ServiceSpec) -> list[Obj]:
+    """Per-pod identity and the KV relay's address and transport settings of a worker pod.
+
+    The engine actors inherit the raylet's environment: they name themselves after the pod,
+    bind and advertise the KV servers on the pod IP (never 127.0.0.1, which peers in other
+    pods cannot reach) and hand UCX its settings.
+    """
+    env = [
+        _field_env("KVRELAY_POD_NAME", "metadata.name"),
+        _field_env("KVRELAY_NODE_NAME", "spec.nodeName"),
+        _field_env("KVRELAY_KV_HOST", "status.podIP"),
+        *kv_env(spec),
+    ]
+    if spec.kv.ucx_tls:
+        env.append({"name": "UCX_TLS", "value": spec.kv.ucx_tls})
+    if spec.kv.ucx_net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": spec.kv.ucx_net_devices})
+    return env
+
+
+def container_security(ipc_lock: bool = False) -> Obj:
+    """Least privilege; `ipc_lock` adds CAP_IPC_LOCK, which RDMA needs to pin memory."""
+    capabilities: Obj = {"drop": ["ALL"]}
+    if ipc_lock:
+        capabilities["add"] = ["IPC_LOCK"]
     return {
         "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": capabilities,
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
@@ -74,7 +145,9 @@ def pod_security() -> Obj:
 
 
 def init_containers(spec: ServiceSpec, resources: Obj) -> list[Obj]:
-    """Fetch the default model into the cache before the engine starts (a no-op once cached)."""
+    """Fetch the default model into the cache before the engine starts (a no-op once cached,
+    so a cache claim seeded beforehand works without a network). Models on a volume or in
+    the image need nothing."""
     if spec.model.source != "default":
         return []
     return [
@@ -91,14 +164,32 @@ def init_containers(spec: ServiceSpec, resources: Obj) -> list[Obj]:
     ]
 
 
-def place(pod_spec: Obj, placement: Placement) -> Obj:
-    """Add node selector and tolerations to a pod spec (only when set, to keep diffs small)."""
+def place(pod_spec: Obj, placement: Placement, spec: ServiceSpec) -> Obj:
+    """Add the scheduling and runtime fields that are set (unset ones stay out, keeping
+    diffs small) and the pull secrets of the service and the group."""
     if placement.node_selector:
         pod_spec["nodeSelector"] = dict(placement.node_selector)
     if placement.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in placement.tolerations]
+    if placement.affinity:
+        pod_spec["affinity"] = dict(placement.affinity)
+    if placement.topology_spread:
+        pod_spec["topologySpreadConstraints"] = [dict(t) for t in placement.topology_spread]
+    if placement.priority_class:
+        pod_spec["priorityClassName"] = placement.priority_class
+    if placement.runtime_class:
+        pod_spec["runtimeClassName"] = placement.runtime_class
+    secrets = list(dict.fromkeys([*spec.pull_secrets, *placement.pull_secrets]))
+    if secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in secrets]
     return pod_spec
 
 
-def resources(placement: Placement) -> Obj:
-    return {k: dict(v) for k, v in placement.resources.items() if v}
+def resources(placement: Placement, extra: Obj | None = None) -> Obj:
+    """A container's resources; `extra` (RDMA devices) is added to requests and limits, as
+    extended resources must be."""
+    out: Obj = {k: dict(v) for k, v in placement.resources.items() if v}
+    if extra:
+        for kind in ("requests", "limits"):
+            out[kind] = {**out.get(kind, {}), **extra}
+    return out

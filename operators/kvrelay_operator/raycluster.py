@@ -3,16 +3,19 @@ per pool whose pods each offer one unit of the pool's Ray custom resource.
 
 The router keeps one worker actor per unit of `kvrelay_prefill` / `kvrelay_decode`, so a
 worker group's replica count is the pool's size. KubeRay's own autoscaler stays off: pool
-sizes are set through the KVRelayPool objects.
+sizes are set through the KVRelayPool objects, and a shrink names the pods to remove
+(`scaleStrategy.workersToDelete`) once the router has drained them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvrelay_operator import podparts
 from kvrelay_operator.names import (
+    GENERATION_LABEL,
     RAY_CLIENT_PORT,
     RAY_GCS_PORT,
     labels,
@@ -20,6 +23,8 @@ from kvrelay_operator.names import (
 )
 from kvrelay_operator.podparts import Obj
 from kvrelay_operator.spec import PoolSpec, ServiceSpec
+
+GPU_RESOURCE = "nvidia.com/gpu"
 
 
 def ray_resource(pool: str) -> str:
@@ -33,23 +38,30 @@ def ray_resources_param(pool: str) -> str:
     return json.dumps(json.dumps({ray_resource(pool): 1}))
 
 
-def _ray_container(spec: ServiceSpec, name: str, resources: Obj, env: list[Obj]) -> Obj:
+def _ray_container(
+    spec: ServiceSpec, name: str, resources: Obj, env: list[Obj], kv: bool = False
+) -> Obj:
     container: Obj = {
         "name": name,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "env": env,
-        "volumeMounts": podparts.volume_mounts(spec),
-        "securityContext": podparts.container_security(),
+        "volumeMounts": podparts.volume_mounts(spec, kv=kv),
+        "securityContext": podparts.container_security(ipc_lock=kv and spec.kv.ipc_lock),
     }
     if resources:
         container["resources"] = resources
     return container
 
 
-def _head_group(spec: ServiceSpec) -> Obj:
+def _template_labels(spec: ServiceSpec, component: str, generation: str) -> Obj:
+    return {**labels(spec.name, component), GENERATION_LABEL: generation}
+
+
+def _head_group(spec: ServiceSpec, generation: str) -> Obj:
     resources = podparts.resources(spec.ray_head)
-    container = _ray_container(spec, "ray-head", resources, podparts.base_env(spec, "ray-head"))
+    env = podparts.base_env(spec, "ray-head", generation)
+    container = _ray_container(spec, "ray-head", resources, env)
     container["ports"] = [
         {"name": "gcs", "containerPort": RAY_GCS_PORT, "protocol": "TCP"},
         {"name": "client", "containerPort": RAY_CLIENT_PORT, "protocol": "TCP"},
@@ -61,71 +73,108 @@ def _head_group(spec: ServiceSpec) -> Obj:
             "volumes": podparts.volumes(spec),
         },
         spec.ray_head,
+        spec,
     )
     return {
         # num-cpus 0: the scheduler never places an engine actor on the head. The dashboard
-        # listens on loopback only: it can run jobs and must not be reachable.
+        # listens on loopback only: it can run jobs and must not be reachable. KubeRay's
+        # probes run wget inside the pod against it (8265) and the dashboard agent (52365),
+        # so the image must have ray[default] (the Dockerfile installs .[cluster]).
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
         "serviceType": "ClusterIP",
         "template": {
-            "metadata": {"labels": labels(spec.name, "ray-head")},
+            "metadata": {"labels": _template_labels(spec, "ray-head", generation)},
             "spec": pod_spec,
         },
     }
 
 
-def _worker_group(spec: ServiceSpec, pool: PoolSpec, replicas: int) -> Obj:
-    resources = podparts.resources(pool.placement)
-    env = podparts.base_env(spec, pool.name)
+def gpus(placement_resources: Mapping[str, Any]) -> int:
+    """GPUs a worker container asks for (`nvidia.com/gpu` in limits, else requests)."""
+    for kind in ("limits", "requests"):
+        value = (placement_resources.get(kind) or {}).get(GPU_RESOURCE)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _worker_pod_spec(spec: ServiceSpec, pool: PoolSpec, generation: str) -> Obj:
+    resources = podparts.resources(pool.placement, dict(spec.kv.rdma_resources))
+    env = podparts.base_env(spec, pool.name, generation) + podparts.worker_env(spec)
     # Read by the engine actors this pod hosts (Ray workers inherit the raylet's env).
     env.append({"name": "KVRELAY_ENGINE_ARGS", "value": " ".join(pool.engine_args)})
-    container = _ray_container(spec, "ray-worker", resources, env)
+    container = _ray_container(spec, "ray-worker", resources, env, kv=True)
     pod_spec = podparts.place(
         {
             "securityContext": podparts.pod_security(),
-            "initContainers": podparts.init_containers(spec, resources),
+            "initContainers": podparts.init_containers(spec, podparts.resources(pool.placement)),
             "containers": [container],
-            "volumes": podparts.volumes(spec),
+            "volumes": podparts.volumes(spec, kv=True),
         },
         pool.placement,
+        spec,
     )
     if not pod_spec["initContainers"]:
         del pod_spec["initContainers"]
+    if spec.kv.host_network:
+        # RDMA NICs without a CNI that hands them to pods: the pod uses the node's network.
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    return pod_spec
+
+
+def _worker_group(
+    spec: ServiceSpec, pool: PoolSpec, generation: str, replicas: int, delete: Sequence[str]
+) -> Obj:
     upper = max(replicas, pool.autoscaling.max_replicas if pool.autoscaling.enabled else 0)
-    return {
+    params = {"num-cpus": str(pool.cpus_per_worker), "resources": ray_resources_param(pool.name)}
+    count = gpus(pool.placement.resources)
+    if count:
+        params["num-gpus"] = str(count)
+    group: Obj = {
         "groupName": pool.name,
         "replicas": replicas,
         # KubeRay clamps replicas into [min, max]; these bounds never bind, the pool does.
         "minReplicas": 0,
         "maxReplicas": upper,
-        "rayStartParams": {
-            "num-cpus": str(pool.cpus_per_worker),
-            "resources": ray_resources_param(pool.name),
-        },
+        "rayStartParams": params,
         "template": {
-            "metadata": {"labels": labels(spec.name, pool.name)},
-            "spec": pod_spec,
+            "metadata": {"labels": _template_labels(spec, pool.name, generation)},
+            "spec": _worker_pod_spec(spec, pool, generation),
         },
     }
+    if delete:
+        # The drained pods go, not KubeRay's random pick (see drain.py).
+        group["scaleStrategy"] = {"workersToDelete": list(delete)}
+    return group
 
 
-def desired_raycluster(spec: ServiceSpec, pool_replicas: Mapping[str, int]) -> Obj:
-    """The RayCluster for `spec`, each worker group at `pool_replicas[pool]` workers."""
+def desired_raycluster(
+    spec: ServiceSpec,
+    generation: str,
+    pool_replicas: Mapping[str, int],
+    workers_to_delete: Mapping[str, Sequence[str]] | None = None,
+) -> Obj:
+    """The RayCluster of `spec`'s `generation`, each worker group at `pool_replicas[pool]`
+    workers; `workers_to_delete[pool]`: the pods a shrink removes (already drained)."""
+    delete = workers_to_delete or {}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
         "metadata": {
-            "name": raycluster_name(spec.name),
+            "name": raycluster_name(spec.name, generation),
             "namespace": spec.namespace,
-            "labels": labels(spec.name, "ray"),
+            "labels": {**labels(spec.name, "ray"), GENERATION_LABEL: generation},
         },
         "spec": {
             "rayVersion": spec.ray_version,
             "enableInTreeAutoscaling": False,
-            "headGroupSpec": _head_group(spec),
+            "headGroupSpec": _head_group(spec, generation),
             "workerGroupSpecs": [
-                _worker_group(spec, spec.prefill, pool_replicas["prefill"]),
-                _worker_group(spec, spec.decode, pool_replicas["decode"]),
+                _worker_group(
+                    spec, pool, generation, pool_replicas[pool.name], delete.get(pool.name, ())
+                )
+                for pool in (spec.prefill, spec.decode)
             ],
         },
     }

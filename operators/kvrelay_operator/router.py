@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvrelay_operator import podparts
 from kvrelay_operator.names import (
+    GENERATION_LABEL,
     GRPC_PORT,
     HTTP_PORT,
     RAY_CLIENT_PORT,
@@ -22,13 +23,14 @@ from kvrelay_operator.spec import ServiceSpec
 API_KEY_ENV = "KVRELAY_API_KEY"
 
 
-def router_command(spec: ServiceSpec) -> list[str]:
-    """The router's command line (the `kvrelay router` contract)."""
+def router_command(spec: ServiceSpec, generation: str) -> list[str]:
+    """The router's command line (the `kvrelay router` contract), against the Ray cluster of
+    `generation`."""
     command = [
         "kvrelay",
         "router",
         "--ray-address",
-        f"ray://{ray_head_service(spec.name)}:{RAY_CLIENT_PORT}",
+        f"ray://{ray_head_service(spec.name, generation)}:{RAY_CLIENT_PORT}",
         "--model",
         podparts.model_arg(spec),
         "--http-host",
@@ -48,8 +50,9 @@ def router_command(spec: ServiceSpec) -> list[str]:
     return command + list(spec.engine_args)
 
 
-def _router_env(spec: ServiceSpec) -> list[Obj]:
-    env = podparts.base_env(spec, "router")
+def _router_env(spec: ServiceSpec, generation: str) -> list[Obj]:
+    # The KV secret: the workers this router starts get it from the router.
+    env = podparts.base_env(spec, "router", generation) + podparts.kv_env(spec)
     if spec.router.api_key_secret:
         env.append(
             {
@@ -65,7 +68,9 @@ def _router_env(spec: ServiceSpec) -> list[Obj]:
     return env
 
 
-def desired_router_deployment(spec: ServiceSpec) -> Obj:
+def desired_router_deployment(spec: ServiceSpec, generation: str) -> Obj:
+    """The router pods of `generation`: a new generation changes the template (Ray address,
+    KVRELAY_GENERATION, its label), so the Deployment rolls to the new RayCluster."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -82,22 +87,25 @@ def desired_router_deployment(spec: ServiceSpec) -> Obj:
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
             "template": {
-                "metadata": {"labels": labels(spec.name, "router")},
-                "spec": _router_pod_spec(spec),
+                "metadata": {
+                    "labels": {**labels(spec.name, "router"), GENERATION_LABEL: generation}
+                },
+                "spec": _router_pod_spec(spec, generation),
             },
         },
     }
 
 
-def _router_pod_spec(spec: ServiceSpec) -> Obj:
+def _router_pod_spec(spec: ServiceSpec, generation: str) -> Obj:
     resources = podparts.resources(spec.router.placement)
     pod_spec = podparts.place(
         {
             "securityContext": podparts.pod_security(),
-            "containers": [_router_container(spec, resources)],
-            "volumes": podparts.volumes(spec),
+            "containers": [_router_container(spec, generation, resources)],
+            "volumes": podparts.volumes(spec, kv=True),
         },
         spec.router.placement,
+        spec,
     )
     init = podparts.init_containers(spec, resources)
     if init:
@@ -105,13 +113,13 @@ def _router_pod_spec(spec: ServiceSpec) -> Obj:
     return pod_spec
 
 
-def _router_container(spec: ServiceSpec, resources: Obj) -> Obj:
+def _router_container(spec: ServiceSpec, generation: str, resources: Obj) -> Obj:
     container: Obj = {
         "name": "router",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": router_command(spec),
-        "env": _router_env(spec),
+        "command": router_command(spec, generation),
+        "env": _router_env(spec, generation),
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
@@ -133,7 +141,7 @@ def _router_container(spec: ServiceSpec, resources: Obj) -> Obj:
             "periodSeconds": 5,
             "failureThreshold": 60,
         },
-        "volumeMounts": podparts.volume_mounts(spec),
+        "volumeMounts": podparts.volume_mounts(spec, kv=True),
         "securityContext": podparts.container_security(),
     }
     if resources:

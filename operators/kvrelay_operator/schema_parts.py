@@ -78,11 +78,65 @@ def tolerations() -> Schema:
     }
 
 
+# Kubernetes object names a pod refers to (PriorityClass, RuntimeClass, Secret): DNS-1123
+# subdomains.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+def object_name(description: str) -> Schema:
+    return string(description, pattern=DNS_SUBDOMAIN, maxLength=253)
+
+
+def passthrough(description: str, type_: str = "object") -> Schema:
+    """A core type kept whole (Affinity, TopologySpreadConstraint): the API server checks it
+    when it reaches a pod, so the CRD does not restate Kubernetes' own schema."""
+    schema: Schema = {
+        "type": type_,
+        "description": description,
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
+    return schema
+
+
+def pull_secrets() -> Schema:
+    return {
+        "type": "array",
+        "description": "Secrets to pull the image with (LocalObjectReference).",
+        "maxItems": 16,
+        "items": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": object_name("Secret name.")},
+        },
+    }
+
+
+def spread_constraints() -> Schema:
+    return {
+        "type": "array",
+        "description": "How these pods spread over zones or nodes (Kubernetes "
+        "TopologySpreadConstraint); labelSelector usually selects this pool's pods.",
+        "maxItems": 8,
+        "items": {
+            **passthrough("A TopologySpreadConstraint."),
+            "required": ["maxSkew", "topologyKey", "whenUnsatisfiable"],
+        },
+    }
+
+
 def placement() -> dict[str, Schema]:
+    """Where and how a group of pods runs: the fields a production pod spec needs."""
     return {
         "resources": resources(),
         "nodeSelector": node_selector(),
         "tolerations": tolerations(),
+        "affinity": passthrough("Node and pod (anti-)affinity (Kubernetes Affinity)."),
+        "topologySpreadConstraints": spread_constraints(),
+        "priorityClassName": object_name("PriorityClass of these pods."),
+        "runtimeClassName": object_name(
+            "RuntimeClass of these pods (e.g. nvidia where the GPU runtime is not the default)."
+        ),
+        "imagePullSecrets": pull_secrets(),
     }
 
 
@@ -111,3 +165,23 @@ def replica_status() -> Schema:
         "type": "object",
         "properties": {"replicas": int32("Desired."), "readyReplicas": int32("Ready.")},
     }
+
+
+def resource_schema(
+    spec: Schema, status: Schema, validations: list[Schema] | None = None
+) -> Schema:
+    """A custom resource's top level: the standard fields, then its spec and status."""
+    schema: Schema = {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+    if validations:
+        schema["x-kubernetes-validations"] = validations
+    return schema

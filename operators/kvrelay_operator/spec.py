@@ -15,6 +15,22 @@ from typing import Any
 from kvrelay_operator.errors import SpecError
 
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
+# A Service name (`<name>-router`) and KubeRay's names must be DNS-1035 labels: a lowercase
+# letter first, no dots. The CRD checks the same pattern (crds.NAME_PATTERN).
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Names feed child names such as `<name>-<generation>-head-svc`, which must stay 63 characters.
+MAX_NAME_LENGTH = 40
+
+
+def check_name(name: str) -> str:
+    """`name` if it can name every child; a SpecError that says what to change otherwise."""
+    if not DNS_1035.match(name) or len(name) > MAX_NAME_LENGTH:
+        raise SpecError(
+            f"name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters: "
+            "lowercase letters, digits and '-', starting with a letter, no dots "
+            "(e.g. llama3-1 rather than llama3.1)"
+        )
+    return name
 
 
 def parse_target(metric: str, text: str) -> float:
@@ -40,11 +56,18 @@ def parse_target(metric: str, text: str) -> float:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where and how big: resources, node selector and tolerations, as Kubernetes spells them."""
+    """Where and how a group of pods runs, as Kubernetes spells it: resources, scheduling
+    (node selector, tolerations, affinity, topology spread, priority), the container runtime
+    class and the image pull secrets."""
 
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    topology_spread: tuple[Mapping[str, Any], ...] = ()
+    priority_class: str = ""
+    runtime_class: str = ""
+    pull_secrets: tuple[str, ...] = ()
 
     @staticmethod
     def parse(raw: Mapping[str, Any]) -> Placement:
@@ -52,7 +75,16 @@ class Placement:
             resources=dict(raw.get("resources") or {}),
             node_selector=dict(raw.get("nodeSelector") or {}),
             tolerations=tuple(raw.get("tolerations") or ()),
+            affinity=dict(raw.get("affinity") or {}),
+            topology_spread=tuple(raw.get("topologySpreadConstraints") or ()),
+            priority_class=str(raw.get("priorityClassName") or ""),
+            runtime_class=str(raw.get("runtimeClassName") or ""),
+            pull_secrets=_secret_names(raw.get("imagePullSecrets")),
         )
+
+
+def _secret_names(raw: Any) -> tuple[str, ...]:
+    return tuple(str(ref["name"]) for ref in raw or () if ref.get("name"))
 
 
 @dataclass(frozen=True)
@@ -104,6 +136,8 @@ class PoolSpec:
     engine_args: tuple[str, ...] = ()
     placement: Placement = field(default_factory=Placement)
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    # How long a shrink waits for the workers it removes to finish their requests.
+    drain_timeout_s: int = 300
 
     @staticmethod
     def parse(name: str, raw: Mapping[str, Any]) -> PoolSpec:
@@ -117,36 +151,86 @@ class PoolSpec:
             engine_args=tuple(raw.get("engineArgs") or ()),
             placement=Placement.parse(raw),
             autoscaling=Autoscaling.parse(name, raw.get("autoscaling") or {}),
+            drain_timeout_s=int(raw.get("drainTimeoutSeconds", 300)),
         )
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    source: str = "default"  # default | pvc | folder
+    source: str = "default"  # default | pvc | image | folder
     pvc_claim: str = ""
     pvc_path: str = ""
     folder: str = ""
     cache_claim: str = ""
+    # source image: an OCI image holding the model folder, mounted as an image volume.
+    image_ref: str = ""
+    image_path: str = ""
+    image_pull_policy: str = "IfNotPresent"
 
     @staticmethod
     def parse(raw: Mapping[str, Any]) -> ModelSource:
         source = str(raw.get("source", "default"))
         pvc = raw.get("pvc") or {}
         folder = raw.get("folder") or {}
+        image = raw.get("image") or {}
         model = ModelSource(
             source=source,
             pvc_claim=str(pvc.get("claimName", "")),
             pvc_path=str(pvc.get("path", "")),
             folder=str(folder.get("path", "")),
             cache_claim=str(raw.get("cacheClaimName", "")),
+            image_ref=str(image.get("reference", "")),
+            image_path=str(image.get("path", "")),
+            image_pull_policy=str(image.get("pullPolicy", "IfNotPresent")),
         )
+        if source not in MODEL_SOURCES:
+            raise SpecError(f"model.source {source!r} is not one of {', '.join(MODEL_SOURCES)}")
         if source == "pvc" and not model.pvc_claim:
             raise SpecError("model.source pvc needs model.pvc.claimName")
+        if source == "image" and not model.image_ref:
+            raise SpecError("model.source image needs model.image.reference")
         if source == "folder" and not model.folder.startswith("/"):
             raise SpecError("model.source folder needs an absolute model.folder.path")
-        if source not in ("default", "pvc", "folder"):
-            raise SpecError(f"model.source {source!r} is not one of default, pvc, folder")
         return model
+
+    @property
+    def mounted(self) -> bool:
+        """Whether the model is a volume at MODEL_MOUNT (nothing to fetch: air-gap safe)."""
+        return self.source in ("pvc", "image")
+
+
+MODEL_SOURCES = ("default", "pvc", "image", "folder")
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    """How KV blocks move between the pools' pods, and what the pods need for it."""
+
+    backend: str = "nixl"
+    # A Secret (key `secret`) every worker and router mounts; empty: the operator creates
+    # `<service>-kv` once with a random key.
+    secret_name: str = ""
+    ucx_tls: str = ""  # UCX_TLS, e.g. rc,cuda_copy,cuda_ipc
+    ucx_net_devices: str = ""  # UCX_NET_DEVICES, e.g. mlx5_0:1
+    rdma_resources: Mapping[str, Any] = field(default_factory=dict)  # device plugin resources
+    ipc_lock: bool = False  # CAP_IPC_LOCK: RDMA pins (registers) memory
+    host_network: bool = False
+
+    @staticmethod
+    def parse(raw: Mapping[str, Any]) -> KVTransferSpec:
+        ucx = raw.get("ucx") or {}
+        rdma = raw.get("rdma") or {}
+        resources = dict(rdma.get("resources") or {})
+        return KVTransferSpec(
+            backend=str(raw.get("backend", "nixl")),
+            secret_name=str(raw.get("secretName") or ""),
+            ucx_tls=str(ucx.get("tls") or ""),
+            ucx_net_devices=str(ucx.get("netDevices") or ""),
+            rdma_resources=resources,
+            # Registering memory for RDMA needs IPC_LOCK; on by default once RDMA is asked for.
+            ipc_lock=bool(rdma.get("ipcLock", bool(resources))),
+            host_network=bool(raw.get("hostNetwork", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -184,12 +268,19 @@ class ServiceSpec:
     prefill: PoolSpec = field(default_factory=lambda: PoolSpec("prefill"))
     decode: PoolSpec = field(default_factory=lambda: PoolSpec("decode"))
     router: RouterSpec = field(default_factory=RouterSpec)
-    transfer_backend: str = "nixl"
+    kv: KVTransferSpec = field(default_factory=KVTransferSpec)
+    pull_secrets: tuple[str, ...] = ()  # every pod's, besides each group's own
     ray_version: str = "2.60.0"
     ray_head: Placement = field(default_factory=Placement)
     service_monitor: bool = False
     service_monitor_interval: str = "15s"
     service_monitor_labels: Mapping[str, str] = field(default_factory=dict)
+    # The kvrelay the operator runs: part of the generation, since it shapes the pods.
+    kvrelay_version: str = ""
+
+    @property
+    def transfer_backend(self) -> str:
+        return self.kv.backend
 
     def pool(self, name: str) -> PoolSpec:
         if name == "prefill":
@@ -199,7 +290,19 @@ class ServiceSpec:
         raise KeyError(name)
 
 
-def parse_service(body: Mapping[str, Any], default_image: str) -> ServiceSpec:
+def installed_version() -> str:
+    """The kvrelay distribution's version, "" when it is not installed (a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvrelay")
+    except PackageNotFoundError:
+        return ""
+
+
+def parse_service(
+    body: Mapping[str, Any], default_image: str, kvrelay_version: str | None = None
+) -> ServiceSpec:
     """Parse a KVRelayService object (as read from the API) into a `ServiceSpec`.
 
     Raises:
@@ -213,7 +316,7 @@ def parse_service(body: Mapping[str, Any], default_image: str) -> ServiceSpec:
     ray = spec.get("ray") or {}
     monitor = (spec.get("monitoring") or {}).get("serviceMonitor") or {}
     return ServiceSpec(
-        name=str(meta.get("name", "")),
+        name=check_name(str(meta.get("name", ""))),
         namespace=str(meta.get("namespace", "default")),
         uid=str(meta.get("uid", "")),
         generation=int(meta.get("generation", 0)),
@@ -224,10 +327,12 @@ def parse_service(body: Mapping[str, Any], default_image: str) -> ServiceSpec:
         prefill=PoolSpec.parse("prefill", spec.get("prefill") or {}),
         decode=PoolSpec.parse("decode", spec.get("decode") or {}),
         router=RouterSpec.parse(spec.get("router") or {}),
-        transfer_backend=str((spec.get("kvTransfer") or {}).get("backend", "nixl")),
+        kv=KVTransferSpec.parse(spec.get("kvTransfer") or {}),
+        pull_secrets=_secret_names(spec.get("imagePullSecrets")),
         ray_version=str(ray.get("rayVersion", "2.60.0")),
         ray_head=Placement.parse(ray.get("head") or {}),
         service_monitor=bool(monitor.get("enabled", False)),
         service_monitor_interval=str(monitor.get("interval", "15s")),
         service_monitor_labels=dict(monitor.get("labels") or {}),
+        kvrelay_version=installed_version() if kvrelay_version is None else kvrelay_version,
     )

@@ -98,10 +98,12 @@ def _kinds(objects: list[Obj]) -> dict[str, list[Obj]]:
 def test_default_install(chart: helm.Chart) -> None:
     kinds = _kinds(render(chart))
     assert sorted(kinds) == [
+        "ClusterKopfPeering",
         "ClusterRole",
         "ClusterRoleBinding",
         "ConfigMap",
         "Deployment",
+        "Job",
         "Service",
         "ServiceAccount",
     ]
@@ -110,37 +112,115 @@ def test_default_install(chart: helm.Chart) -> None:
     (container,) = pod["containers"]
     assert container["image"] == "kvrelay:0.1.0"
     command = container["command"]
-    assert command[:4] == ["kvrelay", "--log-level", "INFO", "operator"]
+    # The operator's own entry point (no torch), peered under the peering object's name.
+    (peering,) = kinds["ClusterKopfPeering"]
+    assert command[:7] == [
+        "python",
+        "-m",
+        "kvrelay_operator",
+        "--log-level",
+        "INFO",
+        "--peering",
+        peering["metadata"]["name"],
+    ]
     assert "--all-namespaces" in command
+    assert "--standalone" not in command
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "probe"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas, one active (kopf peering), spread over nodes; each names itself POD_ID.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert pod["affinity"]["podAntiAffinity"]
+    pod_id = next(e for e in container["env"] if e["name"] == "POD_ID")
+    assert pod_id["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert "KVRelayService" not in kinds  # the example is opt-in
 
 
+def _is_hook(obj: Obj) -> bool:
+    return "helm.sh/hook" in (obj["metadata"].get("annotations") or {})
+
+
 def _rules(objects: list[Obj]) -> list[Obj]:
-    return [r for o in objects if o["kind"] in ("Role", "ClusterRole") for r in o["rules"]]
+    """The operator's rules (the CRD upgrade hook's account has its own, checked apart)."""
+    return [
+        r
+        for o in objects
+        if o["kind"] in ("Role", "ClusterRole") and not _is_hook(o)
+        for r in o["rules"]
+    ]
 
 
-def test_rbac_is_least_privilege(chart: helm.Chart) -> None:
-    rules = _rules(render(chart))
-    granted = {
+def _granted(rules: list[Obj]) -> set[tuple[str, str, str]]:
+    return {
         (group, resource, verb)
         for rule in rules
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def test_rbac_is_least_privilege(chart: helm.Chart) -> None:
+    granted = _granted(_rules(render(chart)))
     assert not any("*" in item for item in granted)
-    assert not any(res in ("secrets", "configmaps") for _, res, _ in granted)
-    # Children are garbage-collected through owner references, never deleted by us.
+    assert not any(res == "configmaps" for _, res, _ in granted)
+    # Secrets: read one by name (a router's API key), create a KV secret; never list them.
+    assert {v for _, res, v in granted if res == "secrets"} == {"get", "create"}
+    # Children are garbage-collected through owner references, never deleted by us, except
+    # a ServiceMonitor turned off and the RayCluster of a retired generation.
     deletes = {(g, r) for g, r, v in granted if v == "delete"}
-    assert deletes == {("monitoring.coreos.com", "servicemonitors")}
+    assert deletes == {("monitoring.coreos.com", "servicemonitors"), ("ray.io", "rayclusters")}
     assert ("kvrelay.io", "kvrelaypools/scale", "patch") in granted
     assert ("ray.io", "rayclusters", "patch") in granted
     assert ("", "pods", "list") in granted and ("", "pods", "create") not in granted
+    # Peering of the replicas.
+    assert ("kopf.dev", "clusterkopfpeerings", "patch") in granted
+
+
+def test_owner_references_may_block_deletion(chart: helm.Chart) -> None:
+    """Defect 9: children set blockOwnerDeletion, which OwnerReferencesPermissionEnforcement
+    allows only to whoever may update the owner's finalizers."""
+    from kvrelay_operator.desired import owner_reference
+    from tests.operator.services import service
+
+    assert owner_reference(service({}))["blockOwnerDeletion"] is True
+    for values in ({}, VALUES["namespaced-with-monitoring"]):
+        granted = _granted(_rules(render(chart, values)))
+        assert ("kvrelay.io", "kvrelayservices/finalizers", "update") in granted
+
+
+def test_secrets_rights_can_be_turned_off(chart: helm.Chart) -> None:
+    granted = _granted(_rules(render(chart, {"rbac": {"secrets": False}})))
+    assert not any(res == "secrets" for _, res, _ in granted)
+
+
+def test_crds_are_upgraded_by_a_pre_upgrade_hook(chart: helm.Chart) -> None:
+    """Defect 11: Helm never upgrades crds/; a hook Job applies the new image's CRDs with an
+    account that may only read and patch those CRDs."""
+    objects = render(chart)
+    hooks = [o for o in objects if _is_hook(o)]
+    assert sorted(o["kind"] for o in hooks) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Job",
+        "ServiceAccount",
+    ]
+    for hook in hooks:
+        assert hook["metadata"]["annotations"]["helm.sh/hook"] == "pre-upgrade"
+    (job,) = [o for o in hooks if o["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "kvrelay_operator.crds", "--apply"]
+    assert container["image"] == "kvrelay:0.1.0"
+    (role,) = [o for o in hooks if o["kind"] == "ClusterRole"]
+    (rule,) = role["rules"]
+    assert rule["verbs"] == ["get", "patch"]
+    assert sorted(rule["resourceNames"]) == sorted(
+        crd["metadata"]["name"] for crd in (yaml.safe_load(c["data"]) for c in chart.crds)
+    )
+    without = render(chart, {"crds": {"upgrade": False}})
+    assert not any(_is_hook(o) for o in without)
 
 
 def test_watch_namespaces_get_roles_not_a_cluster_role(chart: helm.Chart) -> None:
@@ -149,7 +229,7 @@ def test_watch_namespaces_get_roles_not_a_cluster_role(chart: helm.Chart) -> Non
     assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in kinds["RoleBinding"]) == ["team-a", "team-b"]
     # Only kopf's read-only discovery rights stay cluster-wide.
-    (cluster_role,) = kinds["ClusterRole"]
+    (cluster_role,) = [r for r in kinds["ClusterRole"] if not _is_hook(r)]
     assert {v for r in cluster_role["rules"] for v in r["verbs"]} == {"list", "watch"}
     command = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert "--all-namespaces" not in command
@@ -182,7 +262,7 @@ def test_example_service_validates_against_its_crd(chart: helm.Chart) -> None:
 
 def test_minimal_install_uses_the_existing_service_account(chart: helm.Chart) -> None:
     kinds = _kinds(render(chart, VALUES["minimal"]))
-    assert sorted(kinds) == ["Deployment", "Service"]
+    assert sorted(kinds) == ["ClusterKopfPeering", "Deployment", "Service"]
     (deployment,) = kinds["Deployment"]
     assert deployment["metadata"]["name"] == "relay-operator"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
@@ -196,9 +276,22 @@ def test_notes_tell_how_to_use_it(chart: helm.Chart) -> None:
     assert "every namespace" in text
 
 
-def test_chart_ships_both_crds(chart: helm.Chart) -> None:
+def test_chart_ships_its_crds_and_kopfs(chart: helm.Chart) -> None:
     names = sorted(crd["name"] for crd in chart.crds)
-    assert names == ["crds/kvrelaypools.yaml", "crds/kvrelayservices.yaml"]
+    assert names == [
+        "crds/clusterkopfpeerings.yaml",
+        "crds/kopfpeerings.yaml",
+        "crds/kvrelaypools.yaml",
+        "crds/kvrelayservices.yaml",
+    ]
+
+
+def test_namespaced_operators_peer_in_each_namespace(chart: helm.Chart) -> None:
+    kinds = _kinds(render(chart, VALUES["namespaced-with-monitoring"]))
+    assert "ClusterKopfPeering" not in kinds
+    assert sorted(p["metadata"]["namespace"] for p in kinds["KopfPeering"]) == ["team-a", "team-b"]
+    for role in kinds["Role"]:
+        assert any("kopfpeerings" in r["resources"] for r in role["rules"])
 
 
 BAD_VALUES = [
@@ -209,7 +302,9 @@ BAD_VALUES = [
     ("interval too short", {"operator": {"plannerSeconds": 1}}),
     ("bad namespace name", {"operator": {"watchNamespaces": ["Team_A"]}}),
     ("unknown key", {"operatr": {}}),
-    ("unknown nested key", {"operator": {"replicas": 2}}),
+    ("unknown nested key", {"operator": {"replica": 2}}),
+    ("no operator at all", {"operator": {"replicas": 0}}),
+    ("crds flag type", {"crds": {"upgrade": "yes"}}),
     ("log level enum", {"operator": {"logLevel": "LOUD"}}),
     ("monitor interval", {"serviceMonitor": {"enabled": True, "interval": "soon"}}),
     ("example spec type", {"example": {"enabled": True, "name": "x", "spec": "big"}}),

@@ -262,3 +262,56 @@ def test_cel_rules_name_only_fields_of_their_node() -> None:
     for node, rule in rules:
         for field in re.findall(r"(?:self|oldSelf)\.(\w+)", rule):
             assert field in node["properties"], (field, rule)
+
+
+def test_the_upgrade_hook_applies_every_crd_server_side() -> None:
+    """Defect 11: `python -m kvrelay_operator.crds --apply` (the chart's pre-upgrade Job)
+    server-side applies the generator's CRDs, the same ones crds/ holds."""
+    from kvrelay_operator.crds import apply_all
+    from tests.operator.fake_api import fake_api
+
+    with fake_api() as (fake, kube):
+        names = apply_all(kube)
+    assert sorted(names) == sorted(crd["metadata"]["name"] for crd in crds().values())
+    applied = fake.applied()
+    assert [r.path.rsplit("/", 1)[1] for r in applied] == names
+    for request in applied:
+        assert request.path.startswith("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/")
+        assert request.query == {"fieldManager": ["kvrelay-operator"], "force": ["true"]}
+        assert request.body["kind"] == "CustomResourceDefinition"
+
+
+def test_the_crd_cli_refuses_unknown_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrelay_operator.crds import main
+
+    assert main([]) == 2 and main(["--aply"]) == 2
+    assert "--apply" in capsys.readouterr().err
+
+
+def test_crds_carry_the_production_fields() -> None:
+    """Defect 7, 10, 12: the fields a production pool needs exist in the schema (a field the
+    CRD lacks is pruned by the API server, silently)."""
+    spec = crd_schema("KVRelayService")["properties"]["spec"]["properties"]
+    for group in (
+        spec["prefill"],
+        spec["decode"],
+        spec["router"],
+        spec["ray"]["properties"]["head"],
+    ):
+        fields = group["properties"]
+        for name in (
+            "imagePullSecrets",
+            "affinity",
+            "topologySpreadConstraints",
+            "tolerations",
+            "priorityClassName",
+            "runtimeClassName",
+            "resources",
+        ):
+            assert name in fields, name
+    assert "imagePullSecrets" in spec
+    kv = spec["kvTransfer"]["properties"]
+    assert set(kv) >= {"backend", "secretName", "ucx", "rdma", "hostNetwork"}
+    assert set(kv["ucx"]["properties"]) == {"tls", "netDevices"}
+    assert "image" in spec["model"]["properties"]
+    assert "image" in spec["model"]["properties"]["source"]["enum"]

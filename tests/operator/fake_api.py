@@ -47,8 +47,9 @@ class FakeApi:
 
 def _merge(into: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
+        if isinstance(value, dict):
+            # JSON merge patch: nulls inside a new object are dropped as well (RFC 7386).
+            into[key] = _merge(into[key] if isinstance(into.get(key), dict) else {}, value)
         elif value is None:
             into.pop(key, None)
         else:

@@ -30,3 +30,27 @@ def service_body(
 
 def service(spec: dict[str, Any] | None = None, **kwargs: Any) -> ServiceSpec:
     return parse_service(service_body(spec, **kwargs), IMAGE)
+
+
+def cluster_of(spec: dict[str, Any] | None = None) -> str:
+    """The RayCluster name of the generation `spec` makes (a service named demo)."""
+    from kvrelay_operator.generation import generation_hash
+    from kvrelay_operator.names import raycluster_name
+
+    return raycluster_name("demo", generation_hash(service(spec or {})))
+
+
+def worker_pod(
+    name: str, pool: str, cluster: str, ready: bool = True, created: str = "", **meta: Any
+) -> dict[str, Any]:
+    """A Ray worker pod as KubeRay labels it."""
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {"ray.io/cluster": cluster, "ray.io/group": pool},
+            "creationTimestamp": created,
+            **meta,
+        },
+        "status": {"phase": "Running", "conditions": conditions},
+    }

@@ -14,6 +14,8 @@ from kvrelay_operator.desired import (
     object_key,
     stale_kinds,
 )
+from kvrelay_operator.generation import generation_hash
+from kvrelay_operator.names import raycluster_name
 from kvrelay_operator.raycluster import ray_resources_param
 from kvrelay_operator.router import router_command
 from tests.deploy.schemas import validate_everywhere
@@ -108,11 +110,12 @@ def test_every_child_is_valid_owned_and_labelled(case: str) -> None:
 def test_router_command_follows_the_contract(case: str, model: str, extra: list[str]) -> None:
     spec = service(SPECS[case])
     backend = "grpc" if case == "pvc-model-grpc-lb" else "nixl"
-    assert router_command(spec) == [
+    generation = generation_hash(spec)
+    assert router_command(spec, generation) == [
         "kvrelay",
         "router",
         "--ray-address",
-        "ray://demo-head-svc:10001",
+        f"ray://demo-{generation[:8]}-head-svc:10001",
         "--model",
         model,
         "--http-host",
@@ -242,17 +245,34 @@ def test_service_monitor_is_deleted_when_turned_off() -> None:
     assert stale_kinds(on) == []
 
 
+OLD = "old"  # stands for the RayCluster of the spec before the change
+NEW = "new"  # and of the spec after it
+
+
 @pytest.mark.parametrize(
     ("change", "changed"),
     [
         ({}, []),
         ({"router": {"replicas": 4}}, [("apps/v1", "Deployment", "demo-router")]),
         ({"router": {"serviceType": "NodePort"}}, [("v1", "Service", "demo-router")]),
-        ({"decode": {"cpusPerWorker": 8}}, [("ray.io/v1", "RayCluster", "demo")]),
-        ({"kvTransfer": {"backend": "grpc"}}, [("apps/v1", "Deployment", "demo-router")]),
+        # Placement is not engine behaviour: the same generation's cluster changes in place.
+        ({"decode": {"cpusPerWorker": 8}}, [("ray.io/v1", "RayCluster", OLD)]),
+        # A new generation: a new RayCluster beside the old, and the router rolls to it.
+        (
+            {"kvTransfer": {"backend": "grpc"}},
+            [
+                ("apps/v1", "Deployment", "demo-router"),
+                ("ray.io/v1", "RayCluster", OLD),
+                ("ray.io/v1", "RayCluster", NEW),
+            ],
+        ),
         (
             {"image": "kvrelay:new"},
-            [("apps/v1", "Deployment", "demo-router"), ("ray.io/v1", "RayCluster", "demo")],
+            [
+                ("apps/v1", "Deployment", "demo-router"),
+                ("ray.io/v1", "RayCluster", OLD),
+                ("ray.io/v1", "RayCluster", NEW),
+            ],
         ),
         (
             {"monitoring": {"serviceMonitor": {"enabled": True}}},
@@ -266,9 +286,15 @@ def test_a_spec_change_changes_only_the_objects_it_should(
     change: dict[str, Any], changed: list[tuple[str, str, str]]
 ) -> None:
     observed: dict[str, int | None] = {"prefill": 1, "decode": 1}
-    before = desired_objects(service({}), observed)
-    after = desired_objects(service(change, generation=2), observed)
-    assert changed_objects(before, after) == sorted(changed)
+    old, new = service({}), service(change, generation=2)
+    names = {
+        OLD: raycluster_name("demo", generation_hash(old)),
+        NEW: raycluster_name("demo", generation_hash(new)),
+    }
+    before = desired_objects(old, observed)
+    after = desired_objects(new, observed)
+    expected = [(a, k, names.get(n, n)) for a, k, n in changed]
+    assert changed_objects(before, after) == sorted(expected)
 
 
 def test_default_image_is_used_when_the_service_names_none() -> None:

@@ -8,18 +8,27 @@ from typing import Any
 
 import pytest
 
-from kvrelay_operator.autoscale import plan_service
+from kvrelay_operator.autoscale import parse_rfc3339, plan_service
 from kvrelay_operator.errors import PermanentError, RetryableError
+from kvrelay_operator.generation import generation_hash
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.metrics import OperatorMetrics
 from kvrelay_operator.reconcile import reconcile
 from tests.operator.fake_api import FakeApi, fake_api
-from tests.operator.services import IMAGE, service, service_body
+from tests.operator.services import IMAGE, cluster_of, service, service_body, worker_pod
 
 NS = "/apis/kvrelay.io/v1alpha1/namespaces/llm"
 SVC = f"{NS}/kvrelayservices/demo"
-RAY = "/apis/ray.io/v1/namespaces/llm/rayclusters/demo"
-NOW = "2026-11-29T10:00:00Z"
+NOW = parse_rfc3339("2026-11-29T10:00:00Z") or 0.0
+
+
+def ray_path(spec: dict[str, Any] | None = None) -> str:
+    """The RayCluster of the generation `spec` makes."""
+    generation = generation_hash(service(spec or {}))
+    return f"/apis/ray.io/v1/namespaces/llm/rayclusters/demo-{generation[:8]}"
+
+
+RAY = ray_path()
 
 
 @pytest.fixture
@@ -47,7 +56,7 @@ def test_first_reconcile_creates_children_with_server_side_apply(
     reconcile(kube, body, IMAGE, NOW)
 
     # Pools are created with their first size, then applied without it.
-    creates = [r for r in fake.requests if r.method == "POST"]
+    creates = [r for r in fake.requests if r.method == "POST" and "kvrelaypools" in r.path]
     assert [r.body["spec"] for r in creates] == [
         {"service": "demo", "pool": "prefill", "replicas": 1},
         {"service": "demo", "pool": "decode", "replicas": 2},
@@ -65,7 +74,7 @@ def test_first_reconcile_creates_children_with_server_side_apply(
         assert r.query == {"fieldManager": ["kvrelay-operator"], "force": ["true"]}
         if r.body["kind"] == "KVRelayPool":
             assert "replicas" not in r.body["spec"]
-    groups = fake.objects[RAY]["spec"]["workerGroupSpecs"]
+    groups = fake.objects[ray_path({"decode": {"replicas": 2}})]["spec"]["workerGroupSpecs"]
     assert [(g["groupName"], g["replicas"]) for g in groups] == [("prefill", 1), ("decode", 2)]
 
     # No pods yet: the status says what is missing, and each pool has its selector.
@@ -76,7 +85,8 @@ def test_first_reconcile_creates_children_with_server_side_apply(
         "RouterReady": ("False", "RoutersNotReady"),
     }
     pool = fake.objects[f"{NS}/kvrelaypools/demo-decode"]
-    assert pool["status"]["selector"] == "ray.io/cluster=demo,ray.io/group=decode"
+    cluster = ray_path({"decode": {"replicas": 2}}).rsplit("/", 1)[1]
+    assert pool["status"]["selector"] == f"ray.io/cluster={cluster},ray.io/group=decode"
     # The ServiceMonitor is not wanted: its delete was tried and found nothing.
     assert any(r.method == "DELETE" and "servicemonitors" in r.path for r in fake.requests)
 
@@ -89,18 +99,11 @@ def test_scaling_a_pool_resizes_its_worker_group_and_readiness_follows(
     reconcile(kube, body, IMAGE, NOW)
     # An HPA scales the decode pool through the scale subresource.
     kube.scale("kvrelay.io/v1alpha1", "KVRelayPool", "llm", "demo-decode", 3)
+    cluster = cluster_of()
     for i in range(3):
-        pod = {
-            "metadata": {
-                "name": f"decode-{i}",
-                "labels": {"ray.io/cluster": "demo", "ray.io/group": "decode"},
-            },
-            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
-        }
+        pod = worker_pod(f"decode-{i}", "decode", cluster)
         fake.put(f"/api/v1/namespaces/llm/pods/decode-{i}", pod)
-    prefill_labels = {"ray.io/cluster": "demo", "ray.io/group": "prefill"}
-    prefill = {**pod, "metadata": {"name": "prefill-0", "labels": prefill_labels}}
-    fake.put("/api/v1/namespaces/llm/pods/prefill-0", prefill)
+    fake.put("/api/v1/namespaces/llm/pods/prefill-0", worker_pod("prefill-0", "prefill", cluster))
     fake.objects["/apis/apps/v1/namespaces/llm/deployments/demo-router"]["status"] = {
         "replicas": 2,
         "readyReplicas": 2,

@@ -80,3 +80,29 @@ def test_no_image_anywhere_is_a_spec_error() -> None:
 )
 def test_api_errors_are_classified(status: int | None, kind: type) -> None:
     assert isinstance(classify_api_error(status, "x"), kind)
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "8b-chat", "Demo", "chat-", "a_b", "x" * 41])
+def test_names_that_cannot_name_the_children_are_refused(name: str) -> None:
+    """Defect 6: `<name>-router` is a Service and KubeRay names pods after the cluster: both
+    need DNS-1035 labels. The parser and the CRD refuse the same names."""
+    import re
+
+    from kvrelay_operator.crds import service_crd
+
+    body = service_body({})
+    body["metadata"]["name"] = name
+    with pytest.raises(SpecError, match="DNS-1035"):
+        parse_service(body, IMAGE)
+    schema = service_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    rules = [v["rule"] for v in schema["x-kubernetes-validations"]]
+    (pattern,) = [re.search(r"matches\('(.*)'\)", r).group(1) for r in rules if "matches" in r]
+    too_long = any("size(self.metadata.name) <= 40" in r for r in rules)
+    assert not re.match(pattern, name) or (len(name) > 40 and too_long)
+
+
+@pytest.mark.parametrize("name", ["llama3-1", "demo", "a", "chat-8b"])
+def test_dns_1035_names_pass(name: str) -> None:
+    body = service_body({})
+    body["metadata"]["name"] = name
+    assert parse_service(body, IMAGE).name == name

@@ -195,11 +195,12 @@ def test_count_pods(pods: list[dict[str, Any]], expected: Counts) -> None:
 
 
 def test_pool_status_gives_the_scale_subresource_a_selector() -> None:
-    status = pool_status(service({}), "decode", Counts(3, 2, 1))
+    status = pool_status(service({}), "decode", "0123456789ab", Counts(3, 2, 1))
     assert status == {
         "replicas": 2,
         "readyReplicas": 1,
-        "selector": "ray.io/cluster=demo,ray.io/group=decode",
+        # The serving generation's pods: the new cluster's once a generation rolls out.
+        "selector": "ray.io/cluster=demo-01234567,ray.io/group=decode",
     }
 
 

@@ -49,3 +49,8 @@ app.kubernetes.io/part-of: kvrelay
 {{- define "kvrelay.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
+
+{{/* The kopf peering object the operator's replicas share. */}}
+{{- define "kvrelay.peeringName" -}}
+{{- default (include "kvrelay.operatorName" .) .Values.operator.peeringName }}
+{{- end }}

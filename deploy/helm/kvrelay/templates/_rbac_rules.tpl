@@ -1,7 +1,7 @@
 {{/*
 What the operator may do, and no more. Children are never deleted by the operator
 (owner references let the garbage collector do it), except ServiceMonitors it was asked to
-stop managing.
+stop managing and the RayClusters of retired worker generations.
 */}}
 {{- define "kvrelay.managerRules" -}}
 - apiGroups: [kvrelay.io]
@@ -10,6 +10,11 @@ stop managing.
 - apiGroups: [kvrelay.io]
   resources: [kvrelayservices/status, kvrelaypools/status]
   verbs: [get, patch]
+# Children's ownerReferences set blockOwnerDeletion: where the OwnerReferencesPermission-
+# Enforcement admission plugin is on, that needs update rights on the owner's finalizers.
+- apiGroups: [kvrelay.io]
+  resources: [kvrelayservices/finalizers]
+  verbs: [update]
 - apiGroups: [kvrelay.io]
   resources: [kvrelaypools]
   verbs: [get, list, watch, create, patch]
@@ -18,7 +23,7 @@ stop managing.
   verbs: [get, patch]
 - apiGroups: [ray.io]
   resources: [rayclusters]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
@@ -34,6 +39,16 @@ stop managing.
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- if .Values.rbac.secrets }}
+# get: a router's API key (the drain API needs it); create: a service's KV Secret. No list
+# or watch: the operator reads only the Secrets services name.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+{{- end }}
 {{- if .Values.rbac.serviceMonitors }}
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
