@@ -156,3 +156,32 @@ def test_the_operator_makes_exactly_these_objects(deployment: dict[str, Any]) ->
             ("Service", "chat-router"),
         ]
     )
+
+
+def _readme_service() -> Obj:
+    """The KVRelayService the README's Deploy section shows."""
+    text = (CHART.parents[2] / "README.md").read_text()
+    section = text[text.index("## Deploy on Kubernetes") :]
+    blocks = section.split("```yaml\n")[1:]
+    (block,) = [b.split("```")[0] for b in blocks if "kind: KVRelayService" in b]
+    return dict(yaml.safe_load(block))
+
+
+def test_the_readme_example_is_valid_and_makes_the_objects_it_names() -> None:
+    from kvrelay_operator.desired import desired_objects
+
+    service = _readme_service()
+    assert service["metadata"]["name"] == "chat"
+    body = validate_custom(
+        {**service, "metadata": {**service["metadata"], "namespace": "default", "uid": "u"}}
+    )
+    spec = parse_service(body, "unused")
+    objects = desired_objects(spec, {"prefill": None, "decode": None})
+    for obj in objects:
+        for version in KUBE_VERSIONS:
+            validate_object(obj, version)
+    generation = generation_hash(spec)
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert ("RayCluster", f"chat-{generation[:8]}") in names
+    assert {("Deployment", "chat-router"), ("Service", "chat-router")} <= names
+    assert {("KVRelayPool", "chat-prefill"), ("KVRelayPool", "chat-decode")} <= names
