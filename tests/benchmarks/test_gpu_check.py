@@ -1,0 +1,285 @@
+"""benchmarks/gpu_check.py on the CPU: the whole script in its self-test mode (tiny shapes,
+CUDA-only checks SKIP) with Ray, gRPC, FastAPI and NIXL made unimportable, as on the bare GPU
+machine; its one table and Markdown file; a failing part not stopping the next; the time
+budget's slices; exit codes; the watchdog; and the checks' own arithmetic."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+SCRIPT = BENCH / "gpu_check.py"
+# What the bare GPU machine lacks: the script must run with none of them importable.
+ABSENT = ("ray", "grpc", "fastapi", "uvicorn", "nixl", "nixl._api", "kopf", "kubernetes")
+PARTS = ("1 kernels", "2 decode", "3 engine", "4 transfer")
+
+
+@pytest.fixture(scope="module")
+def gpu_parts() -> dict[str, ModuleType]:
+    sys.path.insert(0, str(BENCH))
+    import gpu_check
+    from gpu_parts import decode_bench, engine_part, report
+
+    return {"check": gpu_check, "report": report, "decode": decode_bench, "engine": engine_part}
+
+
+def run_blocked(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """The script as `python benchmarks/gpu_check.py ARGS`, with ABSENT unimportable."""
+    wrapper = textwrap.dedent(f"""
+        import runpy, sys
+        for name in {ABSENT!r}:
+            sys.modules[name] = None  # import raises ImportError
+        sys.argv = [{str(SCRIPT)!r}, *{args!r}]
+        sys.path.insert(0, {str(BENCH)!r})
+        runpy.run_path({str(SCRIPT)!r}, run_name="__main__")
+    """)
+    return subprocess.run(
+        [sys.executable, "-c", wrapper],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+        timeout=400,
+    )
+
+
+@pytest.fixture(scope="module")
+def dry_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path_factory.mktemp("out")
+    proc = run_blocked(["--dry-run", "--out", str(out)], out)
+    return proc, out
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The final table's rows, split on its column gaps (the lines after the dashes)."""
+    lines = stdout.splitlines()
+    start = max(i for i, line in enumerate(lines) if set(line) == {"-"})
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.startswith(PARTS):
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_help_says_what_it_runs_and_how() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    for words in ("--dry-run", "--budget-s", "$OUT", "PYTHONPATH=services:kernels", "Exit code"):
+        assert words in proc.stdout
+
+
+def test_the_dry_run_passes_without_ray_grpc_fastapi_or_nixl(
+    dry_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, _ = dry_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert {r[0] for r in rows} == set(PARTS)
+    assert all(r[2] in ("PASS", "SKIP") for r in rows), rows
+    by_check = {r[1]: r for r in rows}
+    # The real checks ran on the CPU: kernels through the harness, greedy tokens, transfers.
+    assert by_check["cpu backend, decode (harness self-test)"][2] == "PASS"
+    assert by_check["135M: greedy tokens vs transformers"][2] == "PASS"
+    assert by_check["1B: greedy tokens vs transformers"][2] == "PASS"
+    assert by_check["staging: tokens unchanged"][2] == "PASS"
+    # gRPC and NIXL were blocked: reported, not crashed.
+    for name in ("grpc", "nixl"):
+        row = by_check[f"{name}: tokens unchanged"]
+        assert row[2] == "SKIP" and "n/a" in row[-1]
+    # CUDA-only checks say why they were skipped.
+    assert by_check["CUDA extension JIT build"][-1] == "no CUDA device"
+    assert "grpc: not installed" in proc.stdout
+
+
+def test_the_table_is_printed_once_and_written_as_markdown(
+    dry_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, out = dry_run
+    headers = [
+        line for line in proc.stdout.splitlines() if line.split()[:3] == ["part", "check", "status"]
+    ]
+    assert len(headers) == 1
+    text = (out / "gpu_check.md").read_text()
+    assert "| part | check | status | value | target | note |" in text
+    md_rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(md_rows) - 1 == len(table_rows(proc.stdout))
+    assert (out / "decode_bench.md").is_file()
+
+
+def test_a_failing_part_does_not_stop_the_next(gpu_parts: dict[str, ModuleType]) -> None:
+    report = gpu_parts["report"]
+    ctx = report.Context("cpu", small=True, work_dir=Path("."))
+
+    def broken(ctx: Any, deadline: Any) -> list[Any]:
+        raise RuntimeError("first line\nCUDA error: device-side assert triggered")
+
+    def fine(ctx: Any, deadline: Any) -> list[Any]:
+        return [report.Row("b", "works", report.PASS, "1")]
+
+    rows = report.run_all([("a", 1.0, broken), ("b", 1.0, fine)], ctx, 10.0)
+    assert [(r.part, r.status) for r in rows] == [("a", "FAIL"), ("b", "PASS")]
+    assert rows[0].note == "RuntimeError: CUDA error: device-side assert triggered"
+    assert report.exit_code(rows, skips_allowed=True) == 1
+
+
+def test_each_part_gets_its_share_of_what_is_left(gpu_parts: dict[str, ModuleType]) -> None:
+    report = gpu_parts["report"]
+    now = [0.0]
+    shares: list[float] = []
+
+    def part(spend: float) -> Any:
+        def run(ctx: Any, deadline: Any) -> list[Any]:
+            shares.append(deadline.left())
+            now[0] += spend
+            return []
+
+        return run
+
+    ctx = report.Context("cpu", small=True, work_dir=Path("."))
+    parts = [("a", 1.0, part(10.0)), ("b", 1.0, part(100.0)), ("c", 2.0, part(0.0))]
+    report.run_all(parts, ctx, 100.0, clock=lambda: now[0])
+    # a: 100 x 1/4; b: of the 90 left, 1/3; c: nothing left after b overran.
+    assert shares == pytest.approx([25.0, 30.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    ("statuses", "skips_allowed", "code"),
+    [
+        (["PASS", "PASS"], False, 0),
+        (["PASS", "FAIL"], True, 1),
+        (["PASS", "MISS"], False, 3),
+        (["MISS", "FAIL"], False, 1),
+        (["SKIP", "PASS"], True, 0),  # CPU self-test: a skipped part is expected
+        ([], True, 1),  # nothing ran: not a pass
+    ],
+)
+def test_exit_codes(
+    gpu_parts: dict[str, ModuleType], statuses: list[str], skips_allowed: bool, code: int
+) -> None:
+    report = gpu_parts["report"]
+    rows = [report.Row(f"part{i}", "x", s) for i, s in enumerate(statuses)]
+    assert report.exit_code(rows, skips_allowed=skips_allowed) == code
+
+
+def test_a_wholly_skipped_part_fails_a_gpu_run(gpu_parts: dict[str, ModuleType]) -> None:
+    report = gpu_parts["report"]
+    rows = [
+        report.Row("1", "a", "PASS"),
+        report.Row("2", "b", "SKIP"),
+        report.Row("2", "c", "SKIP"),
+    ]
+    assert report.exit_code(rows, skips_allowed=False) == 3
+    rows.append(report.Row("2", "d", "PASS"))
+    assert report.exit_code(rows, skips_allowed=False) == 0
+
+
+def test_rows_refuse_unknown_statuses_and_markdown_escapes_pipes(
+    gpu_parts: dict[str, ModuleType],
+) -> None:
+    report = gpu_parts["report"]
+    with pytest.raises(ValueError, match="status"):
+        report.Row("1", "x", "OK")
+    text = report.markdown_table([report.Row("1", "a|b", "PASS")])
+    assert "| 1 | a\\|b | PASS |" in text
+
+
+def test_the_watchdog_prints_what_there_is_and_exits(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(BENCH)!r})
+        import gpu_check
+        from gpu_parts.report import Context, Row
+        ctx = Context("cpu", small=True, work_dir=Path("."), out_dir=Path({str(tmp_path)!r}))
+        ctx.shared["running"] = "3 engine"
+        gpu_check.watchdog(0.2, [Row("1 kernels", "build", "PASS")], ctx, ["head"])
+        time.sleep(30)
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert proc.returncode == 1
+    assert "part overran the time budget" in proc.stdout and "1 kernels" in proc.stdout
+    assert "3 engine" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_decode_bench_plans_every_shape_and_checks_its_targets(
+    gpu_parts: dict[str, ModuleType],
+) -> None:
+    bench = gpu_parts["decode"]
+    planned = bench.shapes([1, 16, 64, 256], [512, 2048, 8192])
+    assert len(planned) == 24 and planned[0].batch == 256 and planned[0].context == 8192
+    llama = next(s for s in planned if s.model == "llama8b" and s.batch == 64 and s.context == 2048)
+    assert llama.kv_bytes(2) == 2 * 64 * 2048 * 8 * 128 * 2
+    slow = bench.Result(llama, us={"cuda": llama.kv_bytes(2) / 0.5e3, "flex": 1.0})
+    assert slow.percent("cuda", 1.0, 2) == pytest.approx(50.0)
+    assert len(bench.check_targets([slow], 1.0, 2)) == 2  # under 70%, slower than flex
+    fast = bench.Result(llama, us={"cuda": llama.kv_bytes(2) / 0.9e3, "flex": 1e9})
+    assert bench.check_targets([fast], 1.0, 2) == []
+    rows = bench._target_rows([slow], 1.0, 2, True)
+    assert [r.status for r in rows] == ["MISS", "MISS"]
+    assert [r.status for r in bench._target_rows([fast], 1.0, 2, True)] == ["PASS", "PASS"]
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_paged_block_mask_maps_each_sequence_to_its_pages(gpu_parts: dict[str, ModuleType]) -> None:
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    bench = gpu_parts["decode"]
+    pages = torch.tensor([[3, 0], [1, 2]])
+    dense = bench.paged_block_mask(pages, total_tokens=4 * 128, page=128).to_dense()
+    assert dense[0, 0, 0].tolist() == [1, 0, 0, 1]
+    assert dense[1, 0, 0].tolist() == [0, 1, 1, 0]
+
+
+class FakeLM(torch.nn.Module):
+    """A 'model' whose next-token logits are fixed: what logit_gap reads."""
+
+    def __init__(self, logits: list[float]) -> None:
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.logits = torch.tensor(logits)
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        return type("Out", (), {"logits": self.logits.expand(1, ids.shape[1], -1)})()
+
+
+@pytest.mark.parametrize(
+    ("logits", "status"), [([0.0, 5.0, 5.0005], "PASS"), ([0.0, 1.0, 5.0], "FAIL")]
+)
+def test_greedy_may_part_from_transformers_only_at_a_near_tie(
+    gpu_parts: dict[str, ModuleType], logits: list[float], status: str
+) -> None:
+    engine = gpu_parts["engine"]
+    ctx = gpu_parts["report"].Context("cpu", small=True, work_dir=Path("."))
+    prompts = [[1, 1], [1]]
+    # Equal on the first prompt; on the second, ours took token 1 where transformers took 2.
+    row = engine.compare_greedy(ctx, FakeLM(logits), prompts, [[2, 2], [1, 0]], [[2, 2], [2, 0]])
+    assert row.status == status and row.value == "1/2 equal"
+    assert ("near-tie" in row.note) == (status == "PASS")
+
+
+def test_counter_rows_need_the_decode_kernel_and_graph_replays(
+    gpu_parts: dict[str, ModuleType],
+) -> None:
+    engine = gpu_parts["engine"]
+    ran = engine.counter_rows("135M", {"cuda_decode_calls": 30, "graph_replays": 12}, True)
+    assert [r.status for r in ran] == ["PASS", "PASS"]
+    eager = engine.counter_rows("135M", {"cuda_decode_calls": 0, "graph_replays": 0}, True)
+    assert [r.status for r in eager] == ["FAIL", "FAIL"]
+    assert [r.status for r in engine.counter_rows("135M", {}, True)] == ["SKIP", "SKIP"]
+    assert [r.status for r in engine.counter_rows("135M", {}, False)] == ["SKIP", "SKIP"]
