@@ -111,11 +111,11 @@ def step_rows(
 ) -> list[Row]:
     rows = []
     for batch in (1, 4) if ctx.small else (1, 32, 128):
+        check = f"{label} decode step, {mode}, batch {batch}"
         if deadline.expired():
-            rows.append(Row(PART, f"{label} step, {mode}, batch {batch}", SKIP, note="budget"))
+            rows.append(Row(PART, check, SKIP, note="time budget"))
             continue
         ms = step_ms(engine, batch, vocab, 5 if ctx.small else 30)
-        check = f"{label} decode step, {mode}, batch {batch}"
         target, status = "", PASS
         if label == "135M" and mode == "graphs" and batch == 1 and ctx.cuda:
             target = f"< {STEP_TARGET_MS:.0f} ms"

@@ -114,10 +114,19 @@ def build_extension(ctx: Context) -> tuple[Row, bool]:
     seconds = time.perf_counter() - start
     if built:
         return Row(PART, "CUDA extension JIT build", PASS, f"{seconds:.0f} s"), True
-    from shutil import which
+    return Row(PART, "CUDA extension JIT build", FAIL, f"{seconds:.0f} s", note=build_hint()), False
 
-    hint = "no nvcc on the PATH (CUDA_HOME unset)" if which("nvcc") is None else "see the log"
-    return Row(PART, "CUDA extension JIT build", FAIL, f"{seconds:.0f} s", note=hint), False
+
+def build_hint() -> str:
+    """Why torch.utils.cpp_extension could not build here, as far as can be told up front."""
+    from torch.utils import cpp_extension
+
+    missing = []
+    if cpp_extension.CUDA_HOME is None:
+        missing.append("no CUDA toolkit (nvcc on the PATH, or $CUDA_HOME)")
+    if not cpp_extension.is_ninja_available():
+        missing.append("no ninja")
+    return "; ".join(missing) + " (the other backends still run)" if missing else "see the log"
 
 
 AttentionCall = Callable[..., torch.Tensor]

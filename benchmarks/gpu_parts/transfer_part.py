@@ -135,7 +135,8 @@ def transport_rows(
 ) -> list[Row]:
     try:
         with OPENERS[name](*engines) as pull:
-            relay(*engines, pull, prompts[:1], f"{name}-warm", 2)  # connections, first copies
+            # Connections and first copies; reversed, so no prefix cache serves the real run.
+            relay(*engines, pull, [prompts[0][::-1]], f"{name}-warm", 2)
             got, nbytes, seconds = relay(*engines, pull, prompts, name, max_tokens)
     except ImportError as exc:  # grpcio / NIXL not installed (the bare GPU machine)
         return [Row(PART, f"{name}: tokens unchanged", SKIP, note=f"n/a: {last_line(exc)}")]
