@@ -111,7 +111,9 @@ def run_operator(args: argparse.Namespace) -> int:
         registry=build_registry(args.resync_seconds, args.planner_seconds),
         memo=state,
         standalone=args.standalone,
-        peering_name=args.peering,
+        # A name makes peering mandatory: kopf refuses to run without the peering object
+        # rather than acting beside another replica.
+        peering_name=None if args.standalone else args.peering,
         priority=args.priority if args.priority is not None else 1 + secrets.randbelow(2**30),
         clusterwide=args.all_namespaces,
         namespaces=args.namespace,

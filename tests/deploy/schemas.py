@@ -122,14 +122,11 @@ _SERVICE_MONITOR = {
     },
 }
 
-# The RayCluster fields we set (ray.io/v1), as KubeRay's CRD types them.
-_RAY_GROUP = {
-    "type": "object",
-    "required": ["rayStartParams", "template"],
-    "properties": {
-        "rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}},
-        "template": {"type": "object"},
-    },
+# The RayCluster fields we set (ray.io/v1), as KubeRay's CRD types them; any other field
+# is refused, so a misspelt one cannot pass.
+_RAY_GROUP_FIELDS = {
+    "rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}},
+    "template": {"type": "object"},
 }
 _RAYCLUSTER = {
     "type": "object",
@@ -144,19 +141,40 @@ _RAYCLUSTER = {
                 "rayVersion": {"type": "string"},
                 "enableInTreeAutoscaling": {"type": "boolean"},
                 "headGroupSpec": {
-                    "allOf": [_RAY_GROUP],
-                    "properties": {"serviceType": {"type": "string"}},
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["rayStartParams", "template"],
+                    "properties": {**_RAY_GROUP_FIELDS, "serviceType": {"type": "string"}},
                 },
                 "workerGroupSpecs": {
                     "type": "array",
                     "items": {
-                        "allOf": [_RAY_GROUP],
-                        "required": ["groupName", "replicas", "minReplicas", "maxReplicas"],
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": [
+                            "groupName",
+                            "replicas",
+                            "minReplicas",
+                            "maxReplicas",
+                            "rayStartParams",
+                            "template",
+                        ],
                         "properties": {
+                            **_RAY_GROUP_FIELDS,
                             "groupName": {"type": "string"},
                             "replicas": {"type": "integer", "minimum": 0},
                             "minReplicas": {"type": "integer", "minimum": 0},
                             "maxReplicas": {"type": "integer", "minimum": 0},
+                            "scaleStrategy": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "workersToDelete": {
+                                        "type": "array",
+                                        "items": {"type": "string"},
+                                    }
+                                },
+                            },
                         },
                     },
                 },

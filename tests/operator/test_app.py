@@ -136,3 +136,6 @@ def test_replicas_peer_with_a_random_priority(monkeypatch: pytest.MonkeyPatch) -
     assert {c["peering_name"] for c in calls} == {"kv-operator"}
     assert calls[0]["priority"] != calls[1]["priority"]
     assert calls[0]["clusterwide"] is True
+    # Standalone (one operator, no peering CRDs) names no peering object.
+    assert run_operator(_parse("--namespace", "a", "--standalone", "--metrics-port", "0")) == 0
+    assert (calls[2]["standalone"], calls[2]["peering_name"]) == (True, None)

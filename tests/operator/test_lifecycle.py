@@ -17,6 +17,7 @@ from kvrelay_operator.generation import generation_hash
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.names import GENERATION_LABEL, labels
 from kvrelay_operator.reconcile import reconcile
+from tests.deploy.schemas import validate_everywhere
 from tests.operator.fake_api import FakeApi, fake_api
 from tests.operator.router_stub import RouterStub, router_stub
 from tests.operator.services import IMAGE, cluster_of, service, service_body, worker_pod
@@ -95,6 +96,7 @@ def test_a_shrink_drains_through_the_router_then_names_the_pods(
     group = _last_applied_decode_group(fake, cluster)
     assert group["replicas"] == 2
     assert group["scaleStrategy"] == {"workersToDelete": ["d-1"]}
+    validate_everywhere(fake.objects[f"{RAYS}/{cluster}"])  # KubeRay's fields, strictly
     assert fake.objects[SVC]["status"]["scaleDown"]["decode"]["phase"] == "Deleting"
 
     # KubeRay deleted it: the list is dropped and the record cleared.
