@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import DrainState
 from kvrelay.router.local import complete, local_router
 from kvrelay.router.relay import RelayConfig
 from kvrelay.router.router import Router
@@ -210,6 +211,12 @@ async def test_a_draining_worker_gets_no_new_requests_and_finishes_its_own(
     assert [w.worker_id for w in replica.healthy(router.registry.workers["d-leaving"].role)] == [
         "d-staying"
     ]
+
+    # Ray restarts the drained actor in place (a new life, without the flag): it joins drained.
+    reborn = actors.fake("decode", "d-reborn", pod="pod-a")
+    assert (await bounded(router.registry.add(reborn))).draining
+    assert (await reborn.status.remote()).state is DrainState.DRAINING
+    assert "pod-a" in replica.draining_pods  # the replica learnt the pod from the flag
 
 
 async def _live_at(actor: Any, request_id: str) -> bool:

@@ -117,6 +117,10 @@ class WorkerRegistry:
         # Discovered workers joining in the background (so a slow or hung one never holds up
         # a refresh): actor key -> its join task.
         self._joins: dict[str, asyncio.Task[None]] = {}
+        # Pods being drained (told here, or seen on a polled worker): a worker that joins
+        # from one (Ray restarted a drained actor in place) is drained at once, since its
+        # new life does not have the flag.
+        self.draining_pods: set[str] = set()
 
     def serving_generation(self) -> str | None:
         """The generation new requests go to (generations.pick_generation); None: no worker
@@ -183,6 +187,12 @@ class WorkerRegistry:
         state = WorkerState(handle, info, last_seen=time.monotonic())
         status: WorkerStatus = await self._ask(handle.status.remote())
         state.healthy, state.draining = status.alive, status.state is DrainState.DRAINING
+        if state.draining:
+            self.draining_pods.add(info.pod)
+        elif info.pod in self.draining_pods:
+            await self._ask(handle.drain.remote())
+            state.draining = True
+            logger.warning("worker %s joined on draining pod %s: drained", info.engine_id, info.pod)
         if info.role is Role.PREFILL:
             meta: PeerMetadata = await self._ask(handle.kv_metadata.remote())
             await self._introduce(meta, info, self._decoders())
@@ -293,6 +303,7 @@ class WorkerRegistry:
             worker.draining = True
             return worker
 
+        self.draining_pods.update(pods)
         targets = [w for w in self.workers.values() if w.info.pod in pods]
         drained = await asyncio.gather(*(drain_one(w) for w in targets))
         return [w for w in drained if w is not None]
@@ -319,6 +330,8 @@ class WorkerRegistry:
                 status: WorkerStatus = await worker.handle.status.remote()
                 worker.healthy = status.alive
                 worker.draining = status.state is DrainState.DRAINING
+                if worker.draining:
+                    self.draining_pods.add(worker.info.pod)
                 stats: EngineStats = await worker.handle.stats.remote()
                 warn_of_fallbacks(worker.info, worker.stats, stats)
                 worker.stats = stats
