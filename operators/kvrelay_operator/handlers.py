@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +35,9 @@ from kvrelay_operator.names import (
     VERSION,
 )
 from kvrelay_operator.reconcile import draining, reconcile
+from kvrelay_operator.router_admin import admin_url
 from kvrelay_operator.signals import RouterSample
-from kvrelay_operator.spec import parse_service
+from kvrelay_operator.spec import ServiceSpec, parse_service
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class OperatorState:
     metrics: OperatorMetrics
     # (namespace, name) -> the previous planner scrape, for latency windows.
     samples: dict[tuple[str, str], RouterSample | None] = field(default_factory=dict)
+    # How to reach a service's routers' admin API (the Service's cluster DNS name).
+    router_url: Callable[[ServiceSpec], str] = admin_url
 
 
 @contextmanager
@@ -72,7 +75,7 @@ DRAIN_POLL_SECONDS = 5.0
 
 def _reconcile(body: Mapping[str, Any], state: OperatorState) -> None:
     with _kopf_errors(state):
-        reconcile(state.kube, body, state.default_image, time.time())
+        reconcile(state.kube, body, state.default_image, time.time(), state.router_url)
 
 
 def _without_finalizers(registry: kopf.OperatorRegistry) -> None:

@@ -261,3 +261,39 @@ def test_without_secret_rights_the_error_says_what_to_do(api: tuple[FakeApi, Kub
     # With a Secret of its own the service needs no such rights.
     fake.put(SVC, service_body({"kvTransfer": {"secretName": "mine"}}))
     _run(fake, kube, T0 + 10)
+
+
+def _pool_scaled_handler(registry: Any) -> Any:
+    (handler,) = [
+        h
+        for h in registry._changing.get_all_handlers()
+        if h.id.endswith("on_pool_scaled/spec.replicas")
+    ]
+    return handler.fn
+
+
+def test_a_scaled_pool_is_rechecked_soon_while_it_drains(
+    api: tuple[FakeApi, Kube], router: RouterStub
+) -> None:
+    """The kopf layer: a shrink waiting for its drain makes kopf retry the pool's handler
+    in a few seconds rather than at the next resync; once done, the handler succeeds."""
+    import kopf
+
+    from kvrelay_operator.handlers import DRAIN_POLL_SECONDS, OperatorState, build_registry
+    from kvrelay_operator.metrics import OperatorMetrics
+
+    fake, kube = api
+    _start(fake, kube, {"decode": {"replicas": 3}}, router)
+    state = OperatorState(kube, IMAGE, OperatorMetrics(), router_url=lambda _: router.url)
+    on_pool_scaled = _pool_scaled_handler(build_registry(30, 15))
+    kube.scale("kvrelay.io/v1alpha1", "KVRelayPool", "llm", "demo-decode", 2)
+    with pytest.raises(kopf.TemporaryError) as caught:
+        on_pool_scaled(spec={"service": "demo"}, namespace="llm", memo=state)
+    assert caught.value.delay == DRAIN_POLL_SECONDS
+    assert router.drains() == [["d-1"]]
+    # Drained: the handler names the pod to KubeRay and still waits for it to go.
+    with pytest.raises(kopf.TemporaryError):
+        on_pool_scaled(spec={"service": "demo"}, namespace="llm", memo=state)
+    del fake.objects[f"{PODS}/d-1"]
+    on_pool_scaled(spec={"service": "demo"}, namespace="llm", memo=state)
+    assert not fake.objects[SVC]["status"].get("scaleDown")
