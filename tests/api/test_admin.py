@@ -76,7 +76,9 @@ async def test_workers_are_listed_with_pod_node_generation_and_state(
     client, _ = admin
     response = await client.get("/admin/v1/workers", headers=AUTH)
     assert response.status_code == 200
-    listed = {w["engine_id"]: w for w in response.json()["workers"]}
+    body = response.json()
+    assert (body["router_generation"], body["serving_generation"]) == ("", GENERATION)
+    listed = {w["engine_id"]: w for w in body["workers"]}
     assert set(listed) == {"p0", "d0", "d1"}
     assert listed["d0"] == {
         "name": "kvrelay-decode-pod-a",

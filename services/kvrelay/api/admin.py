@@ -53,7 +53,13 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, dependencies: list[
     @app.get(WORKERS_PATH, dependencies=dependencies)
     async def workers() -> dict[str, Any]:
         listed = sorted(registry.workers.values(), key=lambda w: (w.role, w.info.pod))
-        return {"workers": [worker_entry(w) for w in listed]}
+        return {
+            "workers": [worker_entry(w) for w in listed],
+            # Which generation this router prefers, and which one its new requests go to now
+            # (another while its own has no decode worker; null: none can decode).
+            "router_generation": registry.generation,
+            "serving_generation": registry.serving_generation(),
+        }
 
     @app.post(DRAIN_PATH, dependencies=dependencies, status_code=202)
     async def drain(body: DrainRequest) -> JSONResponse:
