@@ -76,7 +76,7 @@ def build_model(ctx: Context, name: str) -> tuple[Path, Any]:
     when asked again (ctx.shared)."""
     key = f"model:{name}"
     if key in ctx.shared:
-        return ctx.shared[key]  # type: ignore[no-any-return]
+        return ctx.shared[key]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

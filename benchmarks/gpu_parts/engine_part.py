@@ -82,28 +82,62 @@ def counter_rows(label: str, delta: dict[str, int], cuda: bool) -> list[Row]:
     return rows
 
 
-def step_ms(engine: Any, batch: int, vocab: int, steps: int) -> float:
-    """Median wall time of a pure-decode step with `batch` running sequences (each step ends
-    with the engine's one host sync, for the sampled tokens)."""
+def start_decoding(engine: Any, batch: int, vocab: int, max_tokens: int) -> list[str]:
+    """Add `batch` requests and step until every one has decoded once (prefills done): from
+    then on each step is a pure decode step of `batch` sequences. Returns their ids."""
     ids = [f"step{batch}-{i}" for i in range(batch)]
     for rid, prompt in zip(ids, prompts_of([32] * batch, vocab, seed=batch), strict=True):
-        engine.add_request(rid, prompt, greedy(steps + 64))
+        engine.add_request(rid, prompt, greedy(max_tokens))
     decoded: dict[str, int] = {}
     for _ in range(10_000):  # prefills first (chunked), then one decode step each
         for output in engine.step():
             decoded[output.request_id] = len(output.outputs[0].token_ids)
         if len(decoded) == batch and min(decoded.values()) >= 2:
             break
+    return ids
+
+
+def stop_decoding(engine: Any, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def step_ms(engine: Any, batch: int, vocab: int, steps: int) -> float:
+    """Median wall time of a pure-decode step with `batch` running sequences (each step ends
+    with the engine's one host sync, for the sampled tokens)."""
+    ids = start_decoding(engine, batch, vocab, steps + 64)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+    stop_decoding(engine, ids)
     return statistics.median(times) * 1e3
+
+
+def profiler_row(label: str, engine: Any, vocab: int) -> Row:
+    """What the GPU itself ran during 5 decode steps (torch.profiler / CUPTI), independent of
+    kvrelay's own counters: kvrelay's decode kernel, and graph launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    check = f"{label}: profiler sees the CUDA decode kernel"
+    ids = start_decoding(engine, 4, vocab, 64)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+        names = [event.key for event in prof.key_averages()]
+        counts = {e.key: e.count for e in prof.key_averages()}
+    except Exception as exc:  # no CUPTI here: the counters above still stand
+        return Row(PART, check, SKIP, note=f"profiler unavailable: {last_line(exc)}")
+    finally:
+        stop_decoding(engine, ids)
+    decode = sum(counts[n] for n in names if "paged_decode" in n)
+    graphs = sum(counts[n] for n in names if "GraphLaunch" in n)
+    value = f"paged_decode kernels {decode}, graph launches {graphs} in 5 steps"
+    return Row(PART, check, PASS if decode > 0 else FAIL, value, "> 0")
 
 
 def step_rows(
@@ -177,6 +211,8 @@ def model_rows(ctx: Context, deadline: Deadline, name: str, label: str) -> list[
         )
     ]
     rows += counter_rows(label, delta, ctx.cuda)
+    if ctx.cuda and not deadline.expired():
+        rows.append(profiler_row(label, engine, vocab))
     rows += step_rows(ctx, deadline, label, engine, vocab, "graphs")
     if name == SMOL and not deadline.expired():
         rows.append(throughput_row(ctx, engine, hf, vocab))

@@ -183,7 +183,9 @@ def run(ctx: Context, deadline: Deadline) -> list[Row]:
     expected = {name: engine_generate(both, p, max_tokens) for name, p in prompt_sets.items()}
     del both
     free_device_memory()
-    kwargs = dict(eager=False, max_num_seqs=16, kv_cache_memory=memory, max_model_len=4096 + 64)
+    kwargs: dict[str, Any] = dict(
+        eager=False, max_num_seqs=16, kv_cache_memory=memory, max_model_len=4096 + 64
+    )
     engines = (
         make_engine(ctx, folder, role="prefill", **kwargs),
         make_engine(ctx, folder, role="decode", **kwargs),

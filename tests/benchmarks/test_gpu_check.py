@@ -283,3 +283,25 @@ def test_counter_rows_need_the_decode_kernel_and_graph_replays(
     assert [r.status for r in eager] == ["FAIL", "FAIL"]
     assert [r.status for r in engine.counter_rows("135M", {}, True)] == ["SKIP", "SKIP"]
     assert [r.status for r in engine.counter_rows("135M", {}, False)] == ["SKIP", "SKIP"]
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
+def test_the_profiler_row_runs_decode_steps_and_reads_kernel_names(
+    gpu_parts: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """On the CPU no CUDA kernel runs, so the row fails, but it gets there: requests started,
+    5 steps profiled, kernel names read, every request aborted after."""
+    from gpu_parts import engine_models
+
+    engine_part = gpu_parts["engine"]
+    ctx = gpu_parts["report"].Context("cpu", small=True, work_dir=tmp_path)
+    folder, hf = engine_models.build_model(ctx, "smollm2-135m")
+    engine = engine_models.make_engine(ctx, folder, eager=False, max_num_seqs=8,
+                                       kv_cache_memory="16MiB")  # fmt: skip
+    row = engine_part.profiler_row("135M", engine, hf.config.vocab_size)
+    assert row.status in ("FAIL", "SKIP"), row
+    if row.status == "FAIL":
+        assert row.value == "paged_decode kernels 0, graph launches 0 in 5 steps"
+    assert not engine.has_unfinished_requests()
+    ms = engine_part.step_ms(engine, 2, hf.config.vocab_size, steps=3)
+    assert ms > 0 and not engine.has_unfinished_requests()
