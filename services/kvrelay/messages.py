@@ -11,6 +11,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# The per-pod environment the operator sets on Ray worker pods (their actors inherit it) and
+# on router pods: the contract between kvrelay_operator and the router and workers.
+GENERATION_ENV = "KVRELAY_GENERATION"  # the worker generation's hash (routers: their own)
+POD_NAME_ENV = "KVRELAY_POD_NAME"  # the pod's name (downward API metadata.name)
+NODE_NAME_ENV = "KVRELAY_NODE_NAME"  # the Kubernetes node's name (spec.nodeName)
+
 
 class Role(enum.StrEnum):
     """What a worker's engine does with a request.

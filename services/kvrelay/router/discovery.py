@@ -24,12 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.messages import Role
+from kvrelay.messages import POD_NAME_ENV, Role
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "kvrelay"
-POD_NAME_ENV = "KVRELAY_POD_NAME"
 
 
 def worker_name(role: str, environ: Mapping[str, str] | None = None) -> str:

@@ -14,9 +14,8 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 
-from kvrelay.messages import Role
+from kvrelay.messages import GENERATION_ENV, Role
 
-GENERATION_ENV = "KVRELAY_GENERATION"
 DECODE_CAPABLE = (Role.DECODE, Role.BOTH)
 
 

@@ -19,6 +19,9 @@ from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import (
+    GENERATION_ENV,
+    NODE_NAME_ENV,
+    POD_NAME_ENV,
     DrainState,
     EngineStats,
     KVHandle,
@@ -37,11 +40,6 @@ from kvrelay.worker.engine_builder import build_worker_engine
 from kvrelay.worker.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
-
-# Set per pod by the operator (downward API); the actor inherits its raylet's environment.
-GENERATION_ENV = "KVRELAY_GENERATION"
-POD_NAME_ENV = "KVRELAY_POD_NAME"
-NODE_NAME_ENV = "KVRELAY_NODE_NAME"
 
 
 @dataclasses.dataclass(frozen=True)
