@@ -155,3 +155,28 @@ async def test_a_bad_drain_body_is_a_400_in_openai_shape(
     wrong_method = await client.delete("/admin/v1/workers", headers=AUTH)
     openai_error(wrong_method, 405, "invalid_request_error")
     assert (await workers["d0"].status.remote()).state is DrainState.SERVING
+
+
+async def test_the_operators_own_client_lists_and_drains(
+    admin: tuple[httpx.AsyncClient, dict[str, Any]],
+) -> None:
+    """The contract from the other side: kvrelay_operator's RouterAdmin (what it runs before
+    it shrinks a pool) against this router."""
+    from kvrelay_operator.router_admin import RouterAdmin
+
+    client, workers = admin
+    operator = RouterAdmin(str(client.base_url), api_key=KEY)
+    listed = await asyncio.to_thread(operator.workers)
+    assert listed is not None
+    assert {(w.name, w.pod, w.drained) for w in listed} == {
+        ("kvrelay-prefill-pod-p", "pod-p", False),
+        ("kvrelay-decode-pod-a", "pod-a", False),
+        ("kvrelay-decode-pod-b", "pod-b", False),
+    }
+    assert await asyncio.to_thread(operator.drain, ["pod-a"])
+    listed = await asyncio.to_thread(operator.workers)
+    assert listed is not None
+    assert {w.pod for w in listed if w.drained} == {"pod-a"}  # draining, nothing in flight
+    assert (await workers["d0"].status.remote()).state is DrainState.DRAINING
+    wrong_key = RouterAdmin(str(client.base_url), api_key="wrong")
+    assert await asyncio.to_thread(wrong_key.workers) is None  # refused (401), logged
