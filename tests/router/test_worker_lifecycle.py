@@ -295,3 +295,36 @@ async def test_a_decode_workers_failed_pulls_are_a_warning_at_the_router(
         await bounded(router.registry.refresh())  # nothing new: no second warning
     (message,) = [r.getMessage() for r in caplog.records if r.name == "kvrelay.router.kv_reach"]
     assert "d0" in message and "1 KV pull(s) failed" in message
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs Relay._migrate to ask the registry for the lost worker's generation "
+    "(router/relay.py, not this change's file; the patch is in issue 16's report)",
+)
+async def test_a_stream_migrates_within_its_generation_even_after_the_serving_one_changed(
+    actors: Actors, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream started on the old generation (the router's own had no worker yet); then its
+    own generation comes up, and the stream's decoder dies: it must resume on a decoder of the
+    old generation (the same model and engine), not on the now-serving new one."""
+    old_p = actors.fake("prefill", "p-old", generation=OLD)
+    dying = actors.fake("decode", "d-old", generation=OLD, step_s=0.2)
+    spare = actors.fake("decode", "d-old-2", generation=OLD)
+    monkeypatch.setenv("KVRELAY_GENERATION", NEW)
+    router = await router_over(old_p, dying)
+    streaming = asyncio.create_task(
+        collect_stream(
+            router.generate(GenerateRequest("older", PROMPT, SamplingParams(max_tokens=12)))
+        )
+    )
+    await eventually(lambda: _live_at(dying, "older"), "the stream at d-old")
+    new_p = actors.fake("prefill", "p-new", generation=NEW)
+    new_d = actors.fake("decode", "d-new", generation=NEW)
+    for worker in (spare, new_p, new_d):
+        await router.registry.add(worker)
+    assert router.registry.serving_generation() == NEW
+    ray.kill(dying)
+    assert await bounded(streaming) == model_tokens(PROMPT, 12)
+    assert (await state(new_d)).calls == ()
+    assert [rid for rid, _ in (await state(spare)).resumed] == ["older"]
