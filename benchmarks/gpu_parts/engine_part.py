@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from gpu_parts.engine_models import (
@@ -36,26 +37,32 @@ THROUGHPUT_TARGET = 5.0  # x transformers' static batching
 
 
 def compare_greedy(
-    ctx: Context, hf: Any, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+    ctx: Context,
+    check: str,
+    hf: Any,
+    prompts: list[list[int]],
+    ours: list[list[int]],
+    theirs: list[list[int]],
 ) -> Row:
-    """Equal token for token, or parted at a near-tie of transformers' own logits."""
+    """`ours` equal to `theirs` token for token, or parted at a near-tie of transformers' own
+    next-token logits (`theirs` being the reference's choice there)."""
     exact, ties, worst = 0, 0, 0.0
     for prompt, a, b in zip(prompts, ours, theirs, strict=True):
         if a == b:
             exact += 1
             continue
         at = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-        gap = logit_gap(hf, prompt + b[:at], b[at], a[at])
+        gap = abs(logit_gap(hf, prompt + b[:at], b[at], a[at]))
         worst = max(worst, gap)
         if gap > TIE_GAP[ctx.cuda]:
             note = (
-                f"prompt of {len(prompt)}: token {at} is {a[at]}, transformers {b[at]} "
+                f"prompt of {len(prompt)}: token {at} is {a[at]}, reference {b[at]} "
                 f"(logit gap {gap:.3f}: not a tie)"
             )
-            return Row(PART, "", FAIL, f"{exact}/{len(prompts)} equal", "equal", note)
+            return Row(PART, check, FAIL, f"{exact}/{len(prompts)} equal", "equal", note)
         ties += 1
     note = f"{ties} parted at a near-tie (gap <= {worst:.3f})" if ties else ""
-    return Row(PART, "", PASS, f"{exact}/{len(prompts)} equal", "equal", note)
+    return Row(PART, check, PASS, f"{exact}/{len(prompts)} equal", "equal", note)
 
 
 def counter_rows(label: str, delta: dict[str, int], cuda: bool) -> list[Row]:
@@ -186,9 +193,19 @@ def throughput_row(ctx: Context, engine: Any, hf: Any, vocab: int) -> Row:
     )
 
 
+@dataclass(frozen=True)
+class Greedy:
+    """One model's greedy run with CUDA graphs on: what the eager run must reproduce."""
+
+    hf: Any
+    prompts: list[list[int]]
+    max_tokens: int
+    graphed: list[list[int]]
+
+
 def model_rows(ctx: Context, deadline: Deadline, name: str, label: str) -> list[Row]:
     """Greedy equality, counters and step times (graphs on) for one model shape, and for the
-    135M shape the throughput comparison; then step times with graphs off."""
+    135M shape the throughput comparison; then the same with graphs off."""
     folder, hf = build_model(ctx, name)
     vocab = hf.config.vocab_size
     prompts = prompts_of([5, 17, 9] if ctx.small else [5, 17, 33, 64, 130], vocab, seed=3)
@@ -199,17 +216,8 @@ def model_rows(ctx: Context, deadline: Deadline, name: str, label: str) -> list[
     ours = engine_generate(engine, prompts, max_tokens)
     delta = counter_delta(before, counters())
     theirs = hf_generate(hf, prompts, max_tokens)
-    row = compare_greedy(ctx, hf, prompts, ours, theirs)
-    rows = [
-        Row(
-            PART,
-            f"{label}: greedy tokens vs transformers",
-            row.status,
-            row.value,
-            row.target,
-            row.note,
-        )
-    ]
+    check = f"{label}: greedy tokens vs transformers"
+    rows = [compare_greedy(ctx, check, hf, prompts, ours, theirs)]
     rows += counter_rows(label, delta, ctx.cuda)
     if ctx.cuda and not deadline.expired():
         rows.append(profiler_row(label, engine, vocab))
@@ -218,21 +226,25 @@ def model_rows(ctx: Context, deadline: Deadline, name: str, label: str) -> list[
         rows.append(throughput_row(ctx, engine, hf, vocab))
     del engine
     free_device_memory()
-    rows += eager_rows(ctx, deadline, label, folder, vocab, memory)
+    greedy_run = Greedy(hf, prompts, max_tokens, ours)
+    rows += eager_rows(ctx, deadline, label, folder, memory, greedy_run)
     return rows
 
 
 def eager_rows(
-    ctx: Context, deadline: Deadline, label: str, folder: Any, vocab: int, memory: str
+    ctx: Context, deadline: Deadline, label: str, folder: Any, memory: str, graphed: Greedy
 ) -> list[Row]:
-    check = f"{label} decode step, eager (--enforce-eager)"
+    """With --enforce-eager: the graphed run's greedy tokens again, and step times."""
+    check = f"{label}: eager tokens vs graphed (--enforce-eager)"
     if deadline.expired():
         return [Row(PART, check, SKIP, note="time budget")]
     try:
         engine = make_engine(ctx, folder, eager=True, max_num_seqs=256, kv_cache_memory=memory)
     except NotImplementedError as exc:
         return [Row(PART, check, SKIP, note=f"n/a: {exc}")]
-    rows = step_rows(ctx, deadline, label, engine, vocab, "eager")
+    eager = engine_generate(engine, graphed.prompts, graphed.max_tokens)
+    rows = [compare_greedy(ctx, check, graphed.hf, graphed.prompts, eager, graphed.graphed)]
+    rows += step_rows(ctx, deadline, label, engine, graphed.hf.config.vocab_size, "eager")
     del engine
     free_device_memory()
     return rows

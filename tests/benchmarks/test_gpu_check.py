@@ -96,6 +96,7 @@ def test_the_dry_run_passes_without_ray_grpc_fastapi_or_nixl(
     assert by_check["cpu backend, decode (harness self-test)"][2] == "PASS"
     assert by_check["135M: greedy tokens vs transformers"][2] == "PASS"
     assert by_check["1B: greedy tokens vs transformers"][2] == "PASS"
+    assert by_check["135M: eager tokens vs graphed (--enforce-eager)"][2] == "PASS"
     assert by_check["staging: tokens unchanged"][2] == "PASS"
     # gRPC and NIXL were blocked: reported, not crashed.
     for name in ("grpc", "nixl"):
@@ -268,8 +269,9 @@ def test_greedy_may_part_from_transformers_only_at_a_near_tie(
     ctx = gpu_parts["report"].Context("cpu", small=True, work_dir=Path("."))
     prompts = [[1, 1], [1]]
     # Equal on the first prompt; on the second, ours took token 1 where transformers took 2.
-    row = engine.compare_greedy(ctx, FakeLM(logits), prompts, [[2, 2], [1, 0]], [[2, 2], [2, 0]])
-    assert row.status == status and row.value == "1/2 equal"
+    ours, theirs = [[2, 2], [1, 0]], [[2, 2], [2, 0]]
+    row = engine.compare_greedy(ctx, "greedy", FakeLM(logits), prompts, ours, theirs)
+    assert row.status == status and row.value == "1/2 equal" and row.check == "greedy"
     assert ("near-tie" in row.note) == (status == "PASS")
 
 
