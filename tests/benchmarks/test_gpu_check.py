@@ -307,3 +307,88 @@ def test_the_profiler_row_runs_decode_steps_and_reads_kernel_names(
     assert not engine.has_unfinished_requests()
     ms = engine_part.step_ms(engine, 2, hf.config.vocab_size, steps=3)
     assert ms > 0 and not engine.has_unfinished_requests()
+
+
+def _kernel_harness() -> ModuleType:
+    from gpu_parts import kernels_part
+
+    return kernels_part
+
+
+def _reference_call(kp: ModuleType, shift: float = 0.0, leave_rows: int = 0) -> Any:
+    """The torch reference as a 'kernel', optionally wrong by `shift`, or leaving its last
+    `leave_rows` rows unwritten (NaN)."""
+    from kvrelay_kernels import reference
+
+    def call(q: Any, kv: Any, tables: Any, lens: Any, qsl: Any, max_len: int, scale: float,
+             out: Any) -> Any:  # fmt: skip
+        result = reference.paged_attention(q, kv, kp.LAYER, tables, lens, qsl, scale) + shift
+        rows = out.shape[0] - leave_rows
+        out[:rows] = result[:rows]
+        return out
+
+    return call
+
+
+@pytest.mark.parametrize(
+    ("shift", "leave_rows", "status", "why"),
+    [(0.0, 0, "PASS", ""), (0.1, 0, "FAIL", "relative difference"),
+     (0.0, 1, "FAIL", "rows left unwritten")],
+)  # fmt: skip
+def test_the_kernel_harness_catches_a_wrong_kernel(
+    gpu_parts: dict[str, ModuleType], shift: float, leave_rows: int, status: str, why: str
+) -> None:
+    kp = _kernel_harness()
+    ctx = gpu_parts["report"].Context("cpu", small=True, work_dir=Path("."))
+    deadline = gpu_parts["report"].Deadline(60.0)
+    call = _reference_call(kp, shift, leave_rows)
+    decode = kp.run_decode_cases(ctx, deadline, call, [torch.float32], split_k=True)
+    mixed = kp.run_mixed_cases(ctx, deadline, call, [torch.float32])
+    for tally in (decode, mixed):
+        row = tally.row("kernel")
+        assert row.status == status, row
+        assert why in row.note
+    assert decode.total == 2  # one tiny batch, at its max_len and at a split-K max_len
+
+
+def test_a_spent_budget_runs_no_case_and_says_so(gpu_parts: dict[str, ModuleType]) -> None:
+    kp = _kernel_harness()
+    ctx = gpu_parts["report"].Context("cpu", small=True, work_dir=Path("."))
+    spent = gpu_parts["report"].Deadline(0.0)
+    tally = kp.run_decode_cases(ctx, spent, _reference_call(kp), [torch.float32], split_k=False)
+    assert tally.total == 0 and tally.stopped
+    row = tally.row("kernel")
+    assert row.status == "SKIP" and "time budget" in row.note
+
+
+def test_the_cache_layout_is_the_engines(gpu_parts: dict[str, ModuleType]) -> None:
+    """The harness's cache is block-major with all layers in a block, as the engine's."""
+    from kvrelay.engine.kv_cache.layout import kv_block_shape
+    from tests.kernels.paged_batch import make_paged_batch
+
+    kp = _kernel_harness()
+    batch = make_paged_batch([5, 9], [1, 1], 4, 2, 3, 8, num_layers=kp.NUM_LAYERS)
+    fields = {"num_hidden_layers": kp.NUM_LAYERS, "num_key_value_heads": 2, "head_dim": 8}
+    model = type("M", (), fields)()
+    assert tuple(batch.kv_cache.shape[1:]) == kv_block_shape(model, 4)  # type: ignore[arg-type]
+    assert batch.kv_cache[:, kp.LAYER].is_contiguous() is False  # a strided layer view
+
+
+def test_counters_are_read_where_they_exist(gpu_parts: dict[str, ModuleType]) -> None:
+    from gpu_parts import engine_models
+
+    now = engine_models.counters()
+    if now is None:
+        pytest.skip("kvrelay_kernels has no counters in this checkout")
+    assert set(now) <= set(engine_models.COUNTER_NAMES) and "cuda_decode_calls" in now
+    later = {**now, "cuda_decode_calls": now["cuda_decode_calls"] + 3}
+    assert engine_models.counter_delta(now, later)["cuda_decode_calls"] == 3
+    assert engine_models.counter_delta(None, later) == {}
+
+
+def test_a_decode_shape_is_timed_on_the_cpu(gpu_parts: dict[str, ModuleType]) -> None:
+    bench = gpu_parts["decode"]
+    shape = bench.Shape("smollm2", 9, 3, 64, 2, 64)
+    result = bench.bench_shape(shape, torch.float32, "cpu", ["sdpa"], None)
+    assert set(result.us) == {"sdpa"} and result.us["sdpa"] > 0 and not result.errors
+    assert "smollm2" in bench.format_table([result], 10.0, 4)
