@@ -297,11 +297,6 @@ async def test_a_decode_workers_failed_pulls_are_a_warning_at_the_router(
     assert "d0" in message and "1 KV pull(s) failed" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs Relay._migrate to ask the registry for the lost worker's generation "
-    "(router/relay.py, not this change's file; the patch is in issue 16's report)",
-)
 async def test_a_stream_migrates_within_its_generation_even_after_the_serving_one_changed(
     actors: Actors, monkeypatch: pytest.MonkeyPatch
 ) -> None:

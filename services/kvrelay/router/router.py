@@ -259,7 +259,10 @@ class Router:
         return runs
 
     def _hashing(self) -> tuple[int, tuple[str, ...]]:
-        worker = next(iter(self.registry.workers.values()), None)
+        """How the workers that will serve the request hash its blocks: a decode worker of the
+        serving generation's (another generation may use another block size or model)."""
+        serving = self.registry.healthy(Role.DECODE) or self.registry.healthy(Role.BOTH)
+        worker = next(iter(serving or self.registry.workers.values()), None)
         if worker is None:
             raise UnavailableError("no worker is available; retry shortly")
         return worker.info.block_size, worker.info.hash_extra_keys
