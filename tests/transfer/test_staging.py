@@ -176,3 +176,29 @@ def test_flat_bytes_shares_the_tensor_memory() -> None:
     assert flat.numel() == kv.numel() * kv.element_size()
     flat[:4] = 0
     assert kv.view(-1)[0].item() == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_a_grpc_pull_served_through_staging_is_exact(name: str) -> None:
+    """The serving side's GPU path (pinned buffers, one device -> host copy per chunk) on a CPU
+    tensor: a 700-byte chunking of 512-byte blocks, byte for byte, buffers reused."""
+    server = GrpcConnector(chunk_bytes=700, secret=SECRET)
+    client = GrpcConnector(serve=False, timeout_s=5.0, secret=SECRET)
+    src, dst, leases = make_kv(0), make_kv(None), Leases()
+    try:
+        server.register(src, "P", 1)
+        server.authorize_pulls(leases.claim)
+        servicer = server._servicer
+        assert servicer is not None and servicer._staging is None  # a host tensor: no staging
+        servicer._staging = StagingPool(CPU, 700)  # what a CUDA tensor gets
+        client.register(dst, "D", 1)
+        client.add_peer(server.metadata())
+        remote, local = PLANS[name]
+        for _ in range(2):
+            before = dst.clone()
+            client.pull(leases.handle("P", 1, remote, "D"), plan_for(remote, local))
+            assert torch.equal(dst, after_pull(before, src, remote, local))
+        assert servicer._staging.num_created == 1  # the second pull reused the first's buffers
+    finally:
+        client.close()
+        server.close()

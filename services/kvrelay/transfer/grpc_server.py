@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from kvrelay.transfer.auth import NOT_AUTHORIZED, ClaimPull, KVSecret
-from kvrelay.transfer.kv_regions import block_byte_rows, block_bytes
+from kvrelay.transfer.kv_regions import StagingPool, block_byte_rows, block_bytes
 from kvrelay.transfer.runs import merge_runs
 from kvrelay.v1 import kv_transfer_pb2 as pb
 from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -43,6 +43,9 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         self._epoch = epoch
         self._chunk_bytes = chunk_bytes
         self._secret = secret
+        # A device cache is read through reusable pinned buffers, one device -> host copy per
+        # chunk, the next chunk's copy overlapping this one's send (kv_regions.PinnedStaging).
+        self._staging = StagingPool(kv_tensor.device, chunk_bytes) if kv_tensor.is_cuda else None
         self.claim: ClaimPull | None = None
 
     def PullBlocks(  # the generated servicer names it so
@@ -69,13 +72,20 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         # Runs of consecutive ids are contiguous bytes: chunk them without gathering blocks.
         for run in merge_runs(ids, range(len(ids))):
             region = self._rows[run.remote_start : run.remote_start + run.length].view(-1)
-            if region.is_cuda:
-                region = region.cpu()
-            view = region.numpy().data  # a memoryview: slicing it copies nothing
-            for start in range(0, len(view), self._chunk_bytes):
-                data = view[start : start + self._chunk_bytes].tobytes()
+            for data in self._chunks(region):
                 yield pb.BlockChunk(offset=offset, data=data)
                 offset += len(data)
+
+    def _chunks(self, region: torch.Tensor) -> Iterator[bytes]:
+        """`region`'s bytes in pieces of at most chunk_bytes: host memory sliced in place, a
+        device cache staged through pinned buffers."""
+        if self._staging is not None:
+            with self._staging.lease() as staging:
+                yield from staging.read(region)
+            return
+        view = region.numpy().data  # a memoryview: slicing it copies nothing
+        for start in range(0, len(view), self._chunk_bytes):
+            yield view[start : start + self._chunk_bytes].tobytes()
 
     def _refusal(
         self, request: pb.PullBlocksRequest, ids: list[int]
