@@ -54,6 +54,11 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="reconcile every service this often, events or not (default 30)",
     )
+    _add_coordination_arguments(parser)
+
+
+def _add_coordination_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the replicas share the work (kopf peering) and how often they act."""
     parser.add_argument(
         "--peering",
         default=os.environ.get("KVRELAY_PEERING", "kvrelay"),
