@@ -13,6 +13,7 @@ import torch
 
 from kvrelay.transfer.base import KVConnector, TransferError
 from kvrelay.transfer.factory import create_connector
+from kvrelay.transfer.grpc_connector import GrpcConnector
 from kvrelay.transfer.network import KVNetwork, is_wildcard
 from tests.transfer.peers import make_kv
 from tests.transfer.plans import SECRET, Leases, after_pull, plan_for
@@ -128,3 +129,13 @@ def test_a_pull_from_an_address_nobody_serves_names_the_peer_and_address(
     decode.add_peer(wrong)
     with pytest.raises(TransferError, match=rf"from PB at {POD_A}:{port}: UNAVAILABLE"):
         decode.pull(leases.handle("PB", 1, (1,), "D"), plan_for((1,), (0,)))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_connector_built_by_hand_never_advertises_a_wildcard(host: str) -> None:
+    with pytest.raises(ValueError, match="advertise_host"):
+        GrpcConnector(host=host)
+    connector = GrpcConnector(host=host, advertise_host="127.0.0.1", serve=False)
+    assert connector.advertise_host == "127.0.0.1"
+    connector.close()
+    GrpcConnector(host=host, serve=False).close()  # a puller only serves nothing: no address

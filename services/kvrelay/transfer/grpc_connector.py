@@ -40,6 +40,7 @@ from kvrelay.transfer.kv_regions import (
     chunk_segments,
     flat_bytes,
 )
+from kvrelay.transfer.network import is_wildcard
 from kvrelay.transfer.tls import KVTLS
 from kvrelay.v1 import kv_transfer_pb2 as pb
 from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -100,6 +101,11 @@ class GrpcConnector(KVConnector):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.host, self.port, self.serve = host, port, serve
         self.advertise_host = advertise_host or host
+        if serve and is_wildcard(self.advertise_host):
+            raise ValueError(
+                f"a KV server bound to {host} needs advertise_host: the address peers dial "
+                f"({self.advertise_host} reaches every peer's own host, not this one)"
+            )
         self.timeout_s = timeout_s
         self._max_workers = max_workers
         self._chunk_bytes = chunk_bytes
