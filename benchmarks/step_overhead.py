@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -89,6 +90,43 @@ def served_tpot_ms(base_url: str, tokens: int) -> float:
     return 1000 * (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
 
 
+def _descendants(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (name, CPU seconds so far) of `root` and every process below it (Ray's GCS,
+    raylet and workers are children of the serving process)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = {}, [root]
+    tick = os.sysconf("SC_CLK_TCK")
+    while todo:
+        pid = todo.pop()
+        todo += parents.get(pid, [])
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        name = cmd.rsplit("/", 1)[-1].split(" ")[0][:40] or "?"
+        found[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def cpu_ms_per_token(root: int, base_url: str, tokens: int) -> dict[str, float]:
+    """CPU time each process of the server (by name) spends per output token of one stream:
+    a profile that load on the machine does not distort as it does wall times."""
+    before = _descendants(root)
+    served_tpot_ms(base_url, tokens)
+    after = _descendants(root)
+    spent: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        spent[name] = spent.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
+    return {name: 1000 * s / tokens for name, s in sorted(spent.items()) if s > 0}
+
+
 def serving_tpot_ms(args: argparse.Namespace, dtype: str, mode: str, log_dir: Path) -> float:
     kvrelay_bin = shutil.which("kvrelay") or str(Path(sys.executable).parent / "kvrelay")
     spec = kvrelay_spec(f"kvrelay {mode} {dtype}", kvrelay_bin, mode == "colocated",
@@ -97,6 +135,11 @@ def serving_tpot_ms(args: argparse.Namespace, dtype: str, mode: str, log_dir: Pa
         served_tpot_ms(server.spec.base_url, 8)  # warm-up
         progress = tqdm(range(args.repeats), desc=f"serving {mode} {dtype}", unit="run")
         runs = [served_tpot_ms(server.spec.base_url, args.tokens) for _ in progress]
+        if args.cpu_profile:
+            assert server._process is not None
+            cpu = cpu_ms_per_token(server._process.pid, server.spec.base_url, args.tokens)
+            shown = ", ".join(f"{name} {ms:.1f}" for name, ms in cpu.items())
+            print(f"CPU ms per token, {mode} {dtype}: {shown} (total {sum(cpu.values()):.1f})")
     return statistics.median(runs)
 
 
@@ -124,6 +167,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated serving modes: disaggregated, colocated")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    parser.add_argument("--cpu-profile", action="store_true",
+                        help="also print CPU ms per output token per server process")  # fmt: skip
+    parser.add_argument("--skip-offline", action="store_true",
+                        help="serving figures only (the offline column reads nan)")  # fmt: skip
     args = parser.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -137,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as logs:
         for dtype in args.dtypes:
-            offline = offline_step_ms(args.model, dtype, args.tokens, args.repeats)
+            offline = (
+                float("nan")
+                if args.skip_offline
+                else offline_step_ms(args.model, dtype, args.tokens, args.repeats)
+            )
             for mode in args.modes:
                 tpot = serving_tpot_ms(args, dtype, mode, Path(logs))
                 rows.append(Row(dtype, offline, mode, tpot))

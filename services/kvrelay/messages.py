@@ -207,3 +207,19 @@ class OutputDelta:
     # "arrival_time" and, once a token exists, "first_token_time" (time.monotonic() seconds
     # on the worker's clock).
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChannelItem:
+    """One entry of a batch on a worker's output channel (worker/channel.py): a delta, or why
+    the stream ended in failure, for the router's `tag` (its number for one `start` call, so a
+    request id run twice on one worker, a recompute, never mixes the two runs' outputs).
+
+    `error_kind` when failed: "failed" (the engine failed this request alone, as
+    RequestFailedError), "invalid" (the worker refused it, as ValueError), "internal".
+    """
+
+    tag: int
+    delta: OutputDelta | None = None
+    error_kind: str = ""
+    error: str = ""

@@ -29,6 +29,7 @@ from kvrelay.messages import (
     WorkerInfo,
     WorkerStatus,
 )
+from kvrelay.worker.channel import ChannelEndpoint
 
 if TYPE_CHECKING:
     from kvrelay.engine.sampling import SamplingParams
@@ -100,8 +101,9 @@ class _Live:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class FakeWorker:
-    """A prefill, decode or colocated ("both") fake worker."""
+class FakeWorker(ChannelEndpoint):
+    """A prefill, decode or colocated ("both") fake worker; its output channel (`start` and
+    `channel`) is the real workers' own, over its `generate`."""
 
     def __init__(
         self,

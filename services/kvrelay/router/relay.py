@@ -18,8 +18,9 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, OutputDelta, RequestFailedError, Role
+from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, Role
 from kvrelay.metrics import RouterMetrics
+from kvrelay.router.channel import ChannelClosedError, Channels
 from kvrelay.router.decision import Decision, decide
 from kvrelay.router.errors import InvalidRequestError, RouterError, UnavailableError
 from kvrelay.router.policy import RouteQuery, RoutingPolicy
@@ -81,6 +82,8 @@ class Relay:
         self.policy = policy
         self.config = config
         self.metrics = metrics
+        # Each worker's outputs for this router come on one channel (router/channel.py).
+        self.channels = Channels()
 
     async def run(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
         """Run the sample to its end. A worker that dies is taken out and the sample goes on
@@ -253,12 +256,15 @@ class Relay:
         it is used) says to stop."""
         worker.in_flight += 1
         worker_done = False
+        channel = self.channels.of(worker.worker_id, worker.handle)
+        tag, inbox = channel.open()
         try:
-            stream = worker.handle.generate.options(num_returns="streaming").remote(
-                run.request_id, run.prompt, run.params, handle, list(resume)
-            )
-            async for ref in stream:
-                delta: OutputDelta = await ref
+            await worker.handle.start.remote(
+                channel.channel_id, tag, run.request_id, run.prompt, run.params, handle,
+                list(resume),
+            )  # fmt: skip
+            while True:
+                delta = _delta_of(await inbox.get())
                 worker_done = delta.finished
                 if before_first is not None:
                     run.times["first_decode"] = time.monotonic()
@@ -269,17 +275,34 @@ class Relay:
                 run.take(delta)
                 if worker_done or run.state.finished:
                     return True
-            return True
-        except (RayActorError, ActorUnavailableError) as exc:
+        except (RayActorError, ActorUnavailableError, ChannelClosedError) as exc:
             worker_done = True
             raise WorkerLostError(worker, exc) from exc
         except RayTaskError as exc:
             worker_done = True
             raise _task_error(exc) from exc
+        except RouterError:
+            worker_done = True  # the worker ended the stream with a failure
+            raise
         finally:
+            channel.close(tag)
             worker.in_flight -= 1
             if not worker_done:  # a stop string, a cancelled client, a lost lease
                 _fire(worker.handle.abort, run.request_id)
+
+
+def _delta_of(item: ChannelItem | BaseException) -> OutputDelta:
+    """A channel item's delta; its failure (or the channel's) raised."""
+    if isinstance(item, BaseException):
+        raise item
+    if item.delta is not None:
+        return item.delta
+    if item.error_kind == "failed":
+        raise RouterError(item.error)
+    if item.error_kind == "invalid":
+        raise InvalidRequestError(item.error)
+    logger.error("a worker failed a request: %s", item.error)
+    raise RouterError("a worker failed this request; it has been logged")
 
 
 async def _release(prefill: WorkerState, request_id: str) -> bool | None:

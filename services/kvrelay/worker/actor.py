@@ -35,6 +35,7 @@ from kvrelay.transfer.auth import KVSecret, resolve_kv_secret
 from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
 from kvrelay.transfer.network import KVNetwork
+from kvrelay.worker.channel import ChannelEndpoint
 from kvrelay.worker.deltas import DeltaTracker
 from kvrelay.worker.engine_builder import build_worker_engine
 from kvrelay.worker.engine_loop import EngineLoop
@@ -62,8 +63,10 @@ class Placement:
         )
 
 
-class EngineWorker:
-    """A prefill, decode or colocated ("both") worker."""
+class EngineWorker(ChannelEndpoint):
+    """A prefill, decode or colocated ("both") worker. The router streams its requests'
+    outputs through `start` + `channel` (worker/channel.py: one stream per router, batched);
+    `generate` is the per-request stream they are made of."""
 
     def __init__(
         self,

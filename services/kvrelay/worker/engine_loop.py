@@ -37,11 +37,22 @@ class _Stream:
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
 
     def put(self, item: _Item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            # The caller's loop is closed: nobody is listening.
-            logger.debug("output dropped: its caller's event loop is closed", exc_info=True)
+        _deliver(self.loop, [(self, item)])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, _Item]]) -> None:
+    """Hand `items` to their streams on `loop` with ONE wake-up of it (a step's outputs for
+    all the requests one event loop waits on, not one call_soon_threadsafe per request)."""
+
+    def put_all() -> None:
+        for stream, item in items:
+            stream.queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:
+        # The caller's loop is closed: nobody is listening.
+        logger.debug("output dropped: its caller's event loop is closed", exc_info=True)
 
 
 class EngineLoop:
@@ -239,15 +250,19 @@ class EngineLoop:
                 failed.put(exc)
             self._streams.clear()
             return False
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             # A request the engine failed alone (its blocks are freed already): its caller
             # gets the error, the other requests of the step their tokens.
-            stream.put(output if output.error is None else RequestFailedError(output.error))
+            item = output if output.error is None else RequestFailedError(output.error)
+            by_loop.setdefault(stream.loop, []).append((stream, item))
             if output.finished:
                 del self._streams[output.request_id]
+        for loop, items in by_loop.items():
+            _deliver(loop, items)
         # A prefill chunk yields no output but is progress: only an empty running set (waiting
         # requests that do not fit yet) is a reason to back off.
         return bool(outputs) or bool(self.engine.scheduler.running)
