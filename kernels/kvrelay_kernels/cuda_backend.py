@@ -155,12 +155,14 @@ def max_partitions(max_seq_len: int) -> int:
     return max(1, -(-max_seq_len // PARTITION_SIZE))
 
 
-def graph_partitions(max_seq_len: int, num_seqs: int, num_kv_heads: int, group: int) -> int:
+def graph_partitions(
+    max_seq_len: int, num_seqs: int, num_kv_heads: int, group: int, device: torch.device
+) -> int:
     """The fixed split-K count for a CUDA graph of `num_seqs` decodes whose contexts may reach
     `max_seq_len`: the kernel's own choice for that worst case (1 or `max_partitions`)."""
     module = load_extension()
     assert module is not None, "graph_partitions needs the CUDA kernels"
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     parts = int(module.decode_num_partitions(max_seq_len, num_seqs, num_kv_heads, group, sms))
     assert parts in (1, max_partitions(max_seq_len)), parts
     return parts

@@ -59,7 +59,7 @@ def test_fixed_partitions_in_a_graph_follow_changing_lengths() -> None:
     cache = batch.kv_cache.to(dev, torch.bfloat16)
     tables = batch.block_tables.to(dev)
     lens = torch.ones(num_seqs, dtype=torch.int32, device=dev)
-    parts = cuda_backend.graph_partitions(max_len, num_seqs, 2, 4)
+    parts = cuda_backend.graph_partitions(max_len, num_seqs, 2, 4, dev)
     numel = cuda_backend.split_workspace_numel(num_seqs, 8, 128, parts)
     workspace = torch.empty(numel, dtype=torch.float32, device=dev)
     out = torch.empty_like(query)

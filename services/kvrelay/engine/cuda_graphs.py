@@ -79,6 +79,7 @@ class DecodeGraphs:
             size,
             config.num_key_value_heads,
             config.num_attention_heads // config.num_key_value_heads,
+            self.kv_cache.device,
         )
         s = self.static
         plan = s.plan(size, self.max_model_len, partitions, self._workspace)
@@ -94,6 +95,10 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every size, largest first (the smaller ones reuse its memory pool). The
         static inputs hold padding only: slot -1, so capturing writes nothing to the cache."""
+        with torch.cuda.device(self.kv_cache.device):  # cuda:N: capture on N's streams
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):
@@ -103,7 +108,8 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.kv_cache.device)
             before = COUNTERS.cuda_decode_calls
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: a worker's other threads (KV transfers) may use CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 hidden = self.model(*args, self.kv_cache, attn)
             # Capture records launches without running them: count them at each replay.
             self._decode_calls[size] = COUNTERS.cuda_decode_calls - before

@@ -49,9 +49,9 @@ class StepStager:
         if total:
             self._device[:total].copy_(self._host[:total], non_blocking=True)
             self.uploads += 1
-        if self.pinned:
+        if self.pinned:  # recorded on the stream the copy went to (cuda:N's, not the default)
             self._done = torch.cuda.Event()
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(self.device))
         return [
             self._device[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for t, o in zip(tensors, offsets, strict=True)
