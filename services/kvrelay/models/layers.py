@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.models.cpu_features import cpu_has_native_bf16
+
 # Below this many rows `linear` computes `W @ x.T`; measured crossover with `F.linear`.
 SMALL_BATCH_ROWS = 64
 
@@ -39,21 +41,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True when oneDNN can hold `weight` in its blocked layout (fp32 on a CPU with oneDNN)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-    )
+    """True when oneDNN can hold `weight` in its blocked layout: fp32 on a CPU with oneDNN,
+    bf16 on a CPU that computes bf16 in hardware (emulated bf16 is slower than fp32)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and cpu_has_native_bf16()
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight lives in oneDNN's blocked layout (CPU, fp32, inference).
+    """A linear layer whose weight lives in oneDNN's blocked layout (CPU, fp32 or bf16).
 
     Measured on this repo's 2-core AVX2 machine: oneDNN's packed matmul runs 1.2-2x faster
     than `F.linear` at every row count, from one decode token to a 512-token prefill chunk
     (it keeps the weight in the tile order its kernels stream), and 1.5-3x faster than
-    `linear` above from two rows on; for a single row `linear` is faster.
+    `linear` above from two rows on; for a single fp32 row `linear` is faster there.
+
+    bf16 (on AVX512-BF16 / AMX CPUs) is oneDNN's bf16 kernel: on a 2-core Zen 4 it is
+    1.3-2x faster than bf16 `linear` at 1, 4 and 16 rows and 1.5-3x faster than packed fp32
+    (`benchmarks/quantized_decode.py --layers`), so bf16 takes this path at every row count.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -62,6 +69,8 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
+        # A single row: fp32 is faster through `linear` (see above), bf16 through oneDNN.
+        self.single_row = weight.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out]
@@ -89,8 +98,9 @@ class Linear(nn.Linear):
             self.packed = PackedLinear(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 1:
-            return self.packed.forward(x)
+        packed = self.packed
+        if packed is not None and (x.shape[0] > 1 or packed.single_row):
+            return packed.forward(x)
         return linear(x, self.weight, self.bias)
 
 

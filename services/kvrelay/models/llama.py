@@ -189,7 +189,8 @@ class CausalLM(nn.Module):
         return self.norm(h)
 
     def prepack(self) -> None:
-        """Move every matmul weight into oneDNN's fast layout (CPU fp32; no-op elsewhere).
+        """Move every matmul weight into oneDNN's fast layout (CPU fp32, and bf16 on CPUs with
+        native bf16; a no-op elsewhere).
 
         For inference only. Dense weights stay for single-row steps (see `Linear.prepack`);
         with tied embeddings the vocab projection gets its own packed copy.
@@ -202,8 +203,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
-        if self.packed_logits is not None and hidden.shape[0] > 1:
-            return self.packed_logits.forward(hidden).float()
+        packed = self.packed_logits
+        if packed is not None and (hidden.shape[0] > 1 or packed.single_row):
+            return packed.forward(hidden).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight
