@@ -1,0 +1,170 @@
+"""A worker's output channel (worker/channel.py) in-process, on one event loop: many streams
+batched into one, each stream's items in order under its own tag, failures as the router's
+words, and a closed channel aborting what still runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, SampleDelta
+from kvrelay.worker.channel import ChannelEndpoint, OutputChannel, failure_item
+
+
+def _delta(request_id: str, start: int, token: int, finished: bool = False) -> OutputDelta:
+    reason = "length" if finished else None
+    return OutputDelta(
+        request_id, [SampleDelta(0, start, [token], finish_reason=reason)], finished, 3
+    )
+
+
+async def _tokens(
+    request_id: str, count: int, step: asyncio.Event | None = None
+) -> AsyncIterator[OutputDelta]:
+    """`count` deltas, one per turn of the loop (or per set of `step`)."""
+    for i in range(count):
+        if step is not None:
+            await step.wait()
+            step.clear()
+        else:
+            await asyncio.sleep(0)
+        yield _delta(request_id, i, 100 + i, finished=i == count - 1)
+
+
+async def _collect(channel: OutputChannel, want: int) -> list[list[ChannelItem]]:
+    """Batches until `want` items have come."""
+    batches: list[list[ChannelItem]] = []
+    async for batch in channel.batches():
+        batches.append(batch)
+        if sum(map(len, batches)) >= want:
+            break
+    return batches
+
+
+async def test_many_streams_share_batches_and_keep_their_order() -> None:
+    channel = OutputChannel()
+    for tag in range(8):
+        channel.start(tag, _tokens(f"r{tag}", 5))
+    batches = await asyncio.wait_for(_collect(channel, 40), 10)
+    items = [item for batch in batches for item in batch]
+    assert len(items) == 40
+    # Streams advancing together share batches: far fewer objects than deltas.
+    assert len(batches) < 40 / 2
+    for tag in range(8):
+        deltas = [item.delta for item in items if item.tag == tag]
+        assert all(d is not None and d.request_id == f"r{tag}" for d in deltas)
+        assert [d.samples[0].start for d in deltas if d] == [0, 1, 2, 3, 4]
+        assert [d.finished for d in deltas if d] == [False] * 4 + [True]
+
+
+async def test_a_batch_holds_what_came_since_the_last_one() -> None:
+    channel = OutputChannel()
+    steps = [asyncio.Event(), asyncio.Event()]
+    channel.start(0, _tokens("a", 3, steps[0]))
+    channel.start(1, _tokens("b", 3, steps[1]))
+    batches = channel.batches()
+    for step in steps:  # both streams make one delta in the same turn of the loop
+        step.set()
+    first = await asyncio.wait_for(anext(batches), 5)
+    assert sorted(item.tag for item in first) == [0, 1]
+    await batches.aclose()
+
+
+async def test_failures_go_out_in_the_routers_words() -> None:
+    async def failing(exc: Exception) -> AsyncIterator[OutputDelta]:
+        yield _delta("x", 0, 1)
+        raise exc
+
+    channel = OutputChannel()
+    channel.start(0, failing(RequestFailedError("out of blocks")))
+    channel.start(1, failing(ValueError("prompt too long")))
+    channel.start(2, failing(KeyError("internal detail")))
+    items = [i for b in await asyncio.wait_for(_collect(channel, 6), 5) for i in b]
+    errors = {item.tag: (item.error_kind, item.error) for item in items if item.delta is None}
+    assert errors == {
+        0: ("failed", "out of blocks"),
+        1: ("invalid", "prompt too long"),
+        2: ("internal", "KeyError"),  # no internals on the wire
+    }
+    assert failure_item(7, RuntimeError("x")).tag == 7
+
+
+async def test_closing_the_channel_aborts_the_streams_still_running() -> None:
+    ended: list[str] = []
+
+    async def endless(name: str) -> AsyncIterator[OutputDelta]:
+        try:
+            i = 0
+            while True:
+                await asyncio.sleep(0.001)
+                yield _delta(name, i, i)
+                i += 1
+        finally:
+            ended.append(name)  # a worker's stream aborts its request here
+
+    channel = OutputChannel()
+    channel.start(0, endless("a"))
+    channel.start(1, endless("b"))
+    batches = channel.batches()
+    await asyncio.wait_for(anext(batches), 5)
+    await batches.aclose()  # the router went away
+    for _ in range(10):
+        await asyncio.sleep(0.01)
+    assert sorted(ended) == ["a", "b"]
+    assert channel.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        channel.start(2, endless("c"))
+
+
+async def test_a_tag_is_used_once_at_a_time() -> None:
+    channel = OutputChannel()
+    channel.start(0, _tokens("a", 100))
+    with pytest.raises(ValueError, match="tag 0"):
+        channel.start(0, _tokens("a", 1))
+    channel.close()
+
+
+class _Endpoint(ChannelEndpoint):
+    """ChannelEndpoint over a scripted generate, as a worker actor is."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
+        resume_output_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[OutputDelta]:
+        self.started.append(request_id)
+        start = len(resume_output_token_ids)
+        for i in range(start, params.max_tokens or 0):
+            await asyncio.sleep(0)
+            yield _delta(request_id, i, sum(prompt_token_ids) + i, i + 1 == params.max_tokens)
+
+
+async def test_endpoint_routes_each_routers_requests_to_its_own_channel() -> None:
+    worker = _Endpoint()
+    params = SamplingParams(max_tokens=4)
+    # Two routers, each with its channel; a start may come before its channel call.
+    await worker.start("router-a", 0, "a0", [1, 2], params)
+    await worker.start("router-b", 0, "b0", [5], params, None, [9, 9])  # a migrated stream
+    seen: dict[str, list[ChannelItem]] = {}
+
+    async def listen(channel_id: str, want: int) -> None:
+        items = seen.setdefault(channel_id, [])
+        async for batch in worker.channel(channel_id):
+            items.extend(batch)
+            if len(items) >= want:
+                return
+
+    await asyncio.wait_for(asyncio.gather(listen("router-a", 4), listen("router-b", 2)), 5)
+    assert {i.delta.request_id for i in seen["router-a"] if i.delta} == {"a0"}
+    assert [i.delta.samples[0].start for i in seen["router-b"] if i.delta] == [2, 3]
+    assert worker.started == ["a0", "b0"]
+    assert not worker._channels  # a channel whose listener left is gone
