@@ -187,7 +187,6 @@ def hf_tensor_name(gguf_name: str) -> str:
 def _convert_tensors(
     reader: Any, config: dict[str, Any], progress: bool
 ) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
     from tqdm import tqdm
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -196,16 +195,48 @@ def _convert_tensors(
         reader.tensors, desc="converting GGUF tensors", unit="tensor", disable=not progress
     ):
         name = hf_tensor_name(tensor.name)
-        # dequantize gives the HF orientation ([out, in]); np.array copies, so the result owns
-        # its memory instead of pointing into the GGUF file's read-only memory map.
-        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32))
-        if ".q_proj." in name:
-            weight = unpermute_rotary(weight, heads)
-        elif ".k_proj." in name:
-            weight = unpermute_rotary(weight, kv_heads)
-        out[name] = weight
+        out[name] = _hf_tensor(tensor, name, heads, kv_heads, keep_quantized=frozenset())
     _check_shapes(out, config)
     return out
+
+
+def read_gguf_weights(
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int, keep_quantized: frozenset[str]
+) -> dict[str, torch.Tensor]:
+    """The GGUF's weights under their Hugging Face names, q/k rows in HF's order.
+
+    Tensors whose GGUF type is named in `keep_quantized` (e.g. "Q4_1") stay as their raw
+    blocks, `[rows, bytes per row]` uint8; every other tensor is dequantized to fp32.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(Path(gguf_path))
+    out: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        out[name] = _hf_tensor(tensor, name, num_heads, num_kv_heads, keep_quantized)
+    return out
+
+
+def _hf_tensor(
+    tensor: Any, name: str, heads: int, kv_heads: int, keep_quantized: frozenset[str]
+) -> torch.Tensor:
+    """One GGUF tensor in HF's orientation (`[out, in]`) and row order."""
+    from gguf.quants import dequantize
+
+    # np.array copies, so the result owns its memory instead of pointing into the GGUF
+    # file's read-only memory map.
+    if tensor.tensor_type.name in keep_quantized:
+        weight = torch.from_numpy(np.array(tensor.data, np.uint8))  # [out, bytes per row]
+    else:
+        # dequantize gives the HF orientation ([out, in]).
+        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32))
+    # The permutation moves whole rows, so it applies to raw quantized rows as well.
+    if ".q_proj." in name:
+        weight = unpermute_rotary(weight, heads)
+    elif ".k_proj." in name:
+        weight = unpermute_rotary(weight, kv_heads)
+    return weight
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from kvrelay.config import ModelConfig
 from kvrelay.models.llama import CausalLM, has_o_proj_bias
+from kvrelay.models.quantized_loading import install_quantized_linears, read_quantized_weights
 from kvrelay_kernels import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the decoder described by `folder/config.json` and load its weights.
 
@@ -46,6 +48,10 @@ def load_model(
             engine's max_model_len to keep the table small for long-context checkpoints.
         device: where the weights go; safetensors reads them straight there (no CPU copy of
             the whole model on the way), and the RoPE table follows.
+        quantization: None or "none" for the safetensors weights; "q4_1" to read the
+            folder's GGUF instead, its Q4_1 matmul weights kept 4-bit (see
+            `kvrelay.models.quantized_loading`); "auto" does that when the folder holds a
+            GGUF with Q4_1 weights.
 
     Returns:
         The model in eval mode, and its config.
@@ -55,21 +61,30 @@ def load_model(
         kvrelay.config.UnsupportedModelError: the architecture is not Llama or Qwen2.
         MissingWeightError: a weight the config implies is absent from the checkpoint.
         ValueError: the checkpoint holds weights this model has no place for.
+        kvrelay.models.quantized_loading.QuantizationError: the quantization asked for is
+            unknown, or the folder has no GGUF with such weights.
     """
     folder = Path(folder)
     config = ModelConfig.from_pretrained(folder)
-    files = safetensors_files(folder)
-    # safetensors cannot read to meta (tests' shapes-only device): read those on the CPU.
-    read_to = "cpu" if torch.device(device).type == "meta" else str(device)
-    hf_weights: dict[str, torch.Tensor] = {}
-    for path in files:
-        hf_weights.update(load_file(str(path), device=read_to))
-    state = convert_hf_state_dict(hf_weights, config, dtype, source=str(folder))
+    quantized = read_quantized_weights(folder, quantization, config, torch.device(device))
+    if quantized is not None:
+        hf_weights, gguf = quantized
+        source, count = str(gguf), 1
+    else:
+        files = safetensors_files(folder)
+        # safetensors cannot read to meta (tests' shapes-only device): read those on the CPU.
+        read_to = "cpu" if torch.device(device).type == "meta" else str(device)
+        hf_weights = {}
+        for path in files:
+            hf_weights.update(load_file(str(path), device=read_to))
+        source, count = str(folder), len(files)
+    state = convert_hf_state_dict(hf_weights, config, dtype, source=source)
     del hf_weights
     # Built on the meta device: no memory and no random init for weights that the checkpoint
     # replaces right away (`assign=True` adopts the loaded tensors as the parameters).
     with torch.device("meta"):
         model = CausalLM(config, backend, max_positions)
+    install_quantized_linears(model, state, dtype)  # takes the quantized entries from state
     model.load_state_dict(state, strict=True, assign=True)
     assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
     # The weights are already there; this moves the RoPE buffers (built on the CPU for
@@ -77,7 +92,7 @@ def load_model(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    logger.info("loaded %s from %s (%d files)", config.architecture, folder, len(files))
+    logger.info("loaded %s from %s (%d files)", config.architecture, source, count)
     return model, config
 
 
@@ -117,12 +132,14 @@ def convert_hf_state_dict(
 
     def take(name: str) -> torch.Tensor:
         try:
-            return hf.pop(name).to(dtype)
+            weight = hf.pop(name)
         except KeyError:
             raise MissingWeightError(
                 f"{source}: weight {name!r} is missing; the checkpoint does not match its "
                 "config.json (re-download or re-convert it)"
             ) from None
+        # uint8 holds raw quantized rows (the GGUF path): fused byte-wise, never converted.
+        return weight if weight.dtype == torch.uint8 else weight.to(dtype)
 
     state: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight")}
     for i in range(config.num_hidden_layers):

@@ -1,0 +1,214 @@
+"""Q4_1 weights kept 4-bit: the block decoding against gguf's own, the int4 linear against the
+dequantized weights, and a whole model loaded from a GGUF against its dequantized twin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from safetensors.torch import save_file
+
+from kvrelay.models import load_model
+from kvrelay.models.gguf_convert import read_gguf_weights
+from kvrelay.models.quantized import (
+    Int4Linear,
+    QuantizedWeightError,
+    dequantize_q4_1,
+    int4_kernel_fits,
+    q4_1_fields,
+)
+from kvrelay.models.quantized_loading import QuantizationError, find_gguf, read_quantized_weights
+from kvrelay_kernels import select_backend
+
+Q4_1 = GGMLQuantizationType.Q4_1
+
+
+def _q4_1(weight: np.ndarray) -> torch.Tensor:
+    """gguf's own Q4_1 quantization of `[out, in]` fp32 weights, as `[out, bytes]` uint8."""
+    return torch.from_numpy(np.array(quants.quantize(weight, Q4_1)))
+
+
+def _random_weight(out: int, inp: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((out, inp)) * 0.05 + rng.standard_normal((out, 1)) * 0.01).astype(
+        np.float32
+    )
+
+
+def test_dequantize_equals_gguf_bit_for_bit() -> None:
+    raw = _q4_1(_random_weight(48, 96, 0))
+    expected = quants.dequantize(raw.numpy(), Q4_1)
+    assert torch.equal(dequantize_q4_1(raw, 96), torch.from_numpy(np.array(expected)))
+
+
+def test_fields_split_nibbles_in_gguf_element_order() -> None:
+    # One block: d = 1, m = -8, codes 0..15 in low nibbles (elements 0-15), 15..0 in high.
+    codes = bytes(lo | ((15 - lo) << 4) for lo in range(16))
+    block = np.float16(1.0).tobytes() + np.float16(-8.0).tobytes() + codes
+    raw = torch.frombuffer(bytearray(block), dtype=torch.uint8).reshape(1, 20)
+    q, d, m = q4_1_fields(raw, 32)
+    assert q.tolist() == [list(range(16)) + list(range(15, -1, -1))]
+    assert d.item() == 1.0 and m.item() == -8.0
+    assert dequantize_q4_1(raw, 32)[0, :3].tolist() == [-8.0, -7.0, -6.0]
+
+
+@pytest.mark.parametrize(("shape", "in_features"), [((4, 40), 96), ((4, 41), 64), ((4, 40), 60)])
+def test_malformed_rows_are_refused(shape: tuple[int, int], in_features: int) -> None:
+    with pytest.raises(QuantizedWeightError, match=r"does not match config\.json"):
+        q4_1_fields(torch.zeros(shape, dtype=torch.uint8), in_features)
+
+
+def test_kernel_shape_limits() -> None:
+    assert int4_kernel_fits(960, 576) and int4_kernel_fits(16, 32)
+    assert not int4_kernel_fits(40, 64)  # rows not a multiple of 16
+    with pytest.raises(QuantizedWeightError, match="without --quantization"):
+        Int4Linear(_q4_1(_random_weight(40, 64, 1)), 64, None, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_linear_fp32_equals_the_dequantized_matmul(rows: int, with_bias: bool) -> None:
+    raw = _q4_1(_random_weight(96, 128, rows))
+    gen = torch.Generator().manual_seed(rows)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    layer = Int4Linear(raw, 128, bias, torch.float32)
+    x = torch.randn(rows, 128, generator=gen)
+    expected = F.linear(x, dequantize_q4_1(raw, 128), bias)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (rows, 96) and out.dtype == torch.float32
+    # Same weights; only the summation order (and m + 8d, exact here) differ.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_linear_bf16_is_within_bf16_rounding() -> None:
+    raw = _q4_1(_random_weight(64, 256, 7))
+    layer = Int4Linear(raw, 256, None, torch.bfloat16)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), dequantize_q4_1(raw, 256))
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    # A broken layout (e.g. nibbles swapped) is far off, so the check above can fail.
+    assert (out.float() - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+# A tiny Llama whose every matmul fits the int4 kernel: hidden 64, 4 heads of 16, 2 kv heads.
+_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+_LAYER_SHAPES = {
+    "attn_q": (64, 64),
+    "attn_k": (32, 64),
+    "attn_v": (32, 64),
+    "attn_output": (64, 64),
+    "ffn_gate": (96, 64),
+    "ffn_up": (96, 64),
+    "ffn_down": (64, 96),
+}
+
+
+def _write_tiny_gguf(path: Path) -> None:
+    writer = GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", (rng.standard_normal((128, 64)) * 0.5).astype("f4"))
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    for i in range(_CONFIG["num_hidden_layers"]):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(64, np.float32))
+        for j, (name, (out, inp)) in enumerate(_LAYER_SHAPES.items()):
+            raw = quants.quantize(_random_weight(out, inp, seed=10 * i + j), Q4_1)
+            writer.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with config.json, the GGUF (source.gguf) and its dequantized safetensors."""
+    folder = tmp_path_factory.mktemp("tiny_q4_1")
+    (folder / "config.json").write_text(json.dumps(_CONFIG))
+    _write_tiny_gguf(folder / "source.gguf")
+    dense = read_gguf_weights(folder / "source.gguf", 4, 2, keep_quantized=frozenset())
+    save_file({k: v.contiguous() for k, v in dense.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def _forward_logits(model: Any, paged_kv: Any, ids: list[int]) -> torch.Tensor:
+    kv = paged_kv(model, num_blocks=8, block_size=4)
+    return kv.forward_logits(model, [("s", ids)])  # type: ignore[no-any-return]
+
+
+def test_q4_1_model_equals_its_dequantized_twin(tiny_gguf_folder: Path, paged_kv: Any) -> None:
+    backend = select_backend("auto")
+    dense, _ = load_model(tiny_gguf_folder, backend)
+    quant, _ = load_model(tiny_gguf_folder, backend, quantization="q4_1")
+    int4 = [m for m in quant.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 2 * 4  # qkv, o, gate_up, down per layer: fused rows stayed 4-bit
+    assert not any(p.dtype == torch.uint8 for p in quant.parameters())
+    ids = [5, 17, 99, 3, 64, 12, 7]
+    expected = _forward_logits(dense, paged_kv, ids)
+    got = _forward_logits(quant, paged_kv, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_auto_uses_the_gguf_and_none_the_safetensors(tiny_gguf_folder: Path) -> None:
+    backend = select_backend("auto")
+    auto, _ = load_model(tiny_gguf_folder, backend, quantization="auto")
+    plain, _ = load_model(tiny_gguf_folder, backend, quantization="none")
+    assert any(isinstance(m, Int4Linear) for m in auto.modules())
+    assert not any(isinstance(m, Int4Linear) for m in plain.modules())
+
+
+def test_quantization_errors_say_what_to_do(tiny_gguf_folder: Path, tmp_path: Path) -> None:
+    from kvrelay.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(tiny_gguf_folder)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(QuantizationError, match="choose one of none, auto, q4_1"):
+        read_quantized_weights(tiny_gguf_folder, "q5_k", config, cpu)
+    with pytest.raises(QuantizationError, match="CPU only"):
+        read_quantized_weights(tiny_gguf_folder, "q4_1", config, cuda)
+    assert read_quantized_weights(tiny_gguf_folder, "auto", config, cuda) is None
+    (tmp_path / "config.json").write_text(json.dumps(_CONFIG))
+    with pytest.raises(QuantizationError, match="has none"):
+        read_quantized_weights(tmp_path, "q4_1", config, cpu)
+    assert read_quantized_weights(tmp_path, "auto", config, cpu) is None
+
+
+def test_several_gguf_files_need_a_source_gguf(tmp_path: Path) -> None:
+    assert find_gguf(tmp_path) is None
+    (tmp_path / "a.gguf").touch()
+    assert find_gguf(tmp_path) == tmp_path / "a.gguf"
+    (tmp_path / "b.gguf").touch()
+    with pytest.raises(QuantizationError, match=r"source\.gguf"):
+        find_gguf(tmp_path)
+    (tmp_path / "source.gguf").touch()
+    assert find_gguf(tmp_path) == tmp_path / "source.gguf"
