@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,12 +116,14 @@ def _descendants(root: int) -> dict[int, tuple[str, float]]:
     return found
 
 
-def cpu_ms_per_token(root: int, base_url: str, tokens: int) -> dict[str, float]:
-    """CPU time each process of the server (by name) spends per output token of one stream:
-    a profile that load on the machine does not distort as it does wall times."""
+def cpu_ms_per_token(root: int, base_url: str, tokens: int, streams: int) -> dict[str, float]:
+    """CPU time each process of the server (by name) spends per output token of `streams`
+    concurrent streams: a profile that load on the machine distorts less than wall times."""
     before = _descendants(root)
-    served_tpot_ms(base_url, tokens)
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda _: served_tpot_ms(base_url, tokens), range(streams)))
     after = _descendants(root)
+    tokens *= streams
     spent: dict[str, float] = {}
     for pid, (name, cpu) in after.items():
         spent[name] = spent.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
@@ -135,11 +138,14 @@ def serving_tpot_ms(args: argparse.Namespace, dtype: str, mode: str, log_dir: Pa
         served_tpot_ms(server.spec.base_url, 8)  # warm-up
         progress = tqdm(range(args.repeats), desc=f"serving {mode} {dtype}", unit="run")
         runs = [served_tpot_ms(server.spec.base_url, args.tokens) for _ in progress]
-        if args.cpu_profile:
-            assert server._process is not None
-            cpu = cpu_ms_per_token(server._process.pid, server.spec.base_url, args.tokens)
+        assert server._process is not None
+        for streams in args.cpu_profile:
+            cpu = cpu_ms_per_token(server._process.pid, server.spec.base_url, args.tokens, streams)
             shown = ", ".join(f"{name} {ms:.1f}" for name, ms in cpu.items())
-            print(f"CPU ms per token, {mode} {dtype}: {shown} (total {sum(cpu.values()):.1f})")
+            total = sum(cpu.values())
+            print(
+                f"CPU ms per token, {mode} {dtype}, {streams} streams: {shown} (total {total:.1f})"
+            )
     return statistics.median(runs)
 
 
@@ -167,8 +173,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated serving modes: disaggregated, colocated")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
-    parser.add_argument("--cpu-profile", action="store_true",
-                        help="also print CPU ms per output token per server process")  # fmt: skip
+    parser.add_argument("--cpu-profile", type=lambda v: [int(n) for n in v.split(",")], default=[],
+                        metavar="STREAMS",
+                        help="also print CPU ms per output token per server process at these "
+                             "concurrencies (e.g. 1,8)")  # fmt: skip
     parser.add_argument("--skip-offline", action="store_true",
                         help="serving figures only (the offline column reads nan)")  # fmt: skip
     args = parser.parse_args(argv)
