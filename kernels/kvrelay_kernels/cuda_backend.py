@@ -2,18 +2,21 @@
 `write_kv` and `copy_blocks`; prefill chunks go to the Triton kernel when triton is present,
 else to the torch reference. A mixed step runs both kernels, each on its own rows.
 
-The torch binding is JIT-built (torch.utils.cpp_extension, cached by torch) on the first use
-on a machine with CUDA; nothing is attempted without one. CPU tensors (an engine keeping its
+The torch binding is the one built ahead of time when installed (the image's CUDA stage), else
+JIT-built (torch.utils.cpp_extension, cached by torch) on the first use on a machine with
+CUDA; nothing is attempted without one. CPU tensors (an engine keeping its
 cache in host memory) take the torch reference.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -59,7 +62,19 @@ def load_extension() -> ModuleType | None:
         return _state["module"]
 
 
+def prebuilt() -> ModuleType | None:
+    """The binding built ahead of time (the image's CUDA stage,
+    deploy/docker/build_cuda_kernels.py, installs it as a module of this name), else None."""
+    try:
+        return importlib.import_module(_NAME)
+    except ImportError:
+        return None
+
+
 def _build() -> ModuleType | None:
+    module = prebuilt()
+    if module is not None:
+        return module  # an image's pods have no nvcc: never compile there
     try:
         from torch.utils.cpp_extension import load
 
@@ -192,10 +207,7 @@ def paged_attention(
         plan.has_decodes and _decode_supported(query, kv_cache) and load_extension() is not None
     )
     if not decodes_here:
-        if triton_backend.is_available():
-            COUNTERS.triton_prefill_calls += bool(plan.prefills)
-            return triton_backend.paged_attention(*args, plan=plan, out=out)
-        return reference.paged_attention(*args, plan=plan, out=out)
+        return _without_decode_kernel(args, plan, out)
 
     def decode(
         q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, into: torch.Tensor | None
@@ -232,6 +244,16 @@ def paged_attention(
     return split_attention(
         query, block_tables, seq_lens, query_start_loc, plan, out, decode, prefill
     )
+
+
+def _without_decode_kernel(
+    args: tuple[Any, ...], plan: AttentionPlan, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The whole batch on Triton (else the torch reference): no compiled decode kernel fits."""
+    if triton_backend.is_available():
+        COUNTERS.triton_prefill_calls += bool(plan.prefills)
+        return triton_backend.paged_attention(*args, plan=plan, out=out)
+    return reference.paged_attention(*args, plan=plan, out=out)
 
 
 def _no_prefill(*_: object) -> torch.Tensor:

@@ -146,18 +146,7 @@ def build_plan(
     are dropped there by `slot_keep`, without a device sync. With `num_slots`, slots are
     checked against the cache's size (`check_slots`).
     """
-    slot_blocks = slot_offsets = slot_keep = None
-    if slot_mapping is not None:
-        padded = (
-            check_slots(slot_mapping, num_slots)
-            if num_slots is not None
-            else bool(slot_mapping.numel()) and int(slot_mapping.min()) < 0
-        )
-        kept = slot_mapping.to(torch.int64)
-        if padded:
-            slot_keep = torch.nonzero(kept >= 0).flatten()
-            kept = kept[slot_keep]
-        slot_blocks, slot_offsets = split_slots(kept, block_size)
+    slot_blocks, slot_offsets, slot_keep = _slot_split(slot_mapping, block_size, num_slots)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows: list[int] = []
@@ -202,6 +191,26 @@ def build_plan(
         decode_seq_idx=None if seq_span else seq_idx,
         **split,
     )  # fmt: skip
+
+
+def _slot_split(
+    slot_mapping: torch.Tensor | None, block_size: int, num_slots: int | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`write_kv`'s (blocks, offsets, kept rows) of the step's slots: padding (negative) slots
+    dropped by the kept rows (None: all kept); checked against `num_slots` when given."""
+    if slot_mapping is None:
+        return None, None, None
+    padded = (
+        check_slots(slot_mapping, num_slots)
+        if num_slots is not None
+        else bool(slot_mapping.numel()) and int(slot_mapping.min()) < 0
+    )
+    kept, slot_keep = slot_mapping.to(torch.int64), None
+    if padded:
+        slot_keep = torch.nonzero(kept >= 0).flatten()
+        kept = kept[slot_keep]
+    blocks, offsets = split_slots(kept, block_size)
+    return blocks, offsets, slot_keep
 
 
 def _prefill_split(prefill_seqs: list[int], starts: list[int], mixed: bool) -> dict[str, Any]:

@@ -3,6 +3,9 @@ CPU backends are chosen, and the kernel sources ship where the JIT loader looks.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,3 +49,23 @@ def test_cuda_backend_on_cpu_tensors_is_the_reference() -> None:
     got = cuda_backend.paged_attention(*args, batch.query_start_loc, 0.25)
     expected = reference.paged_attention(*args, batch.query_start_loc, 0.25)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_a_prebuilt_binding_is_taken_before_any_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image installs the binding as `kvrelay_cuda_kernels` (its CUDA stage) and its pods
+    have no nvcc: `_build` must import that module and never start torch's JIT compile."""
+    assert cuda_backend.prebuilt() is None  # none installed here
+    folder = tmp_path
+    (folder / f"{cuda_backend._NAME}.py").write_text("PREBUILT = True\n")
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, cuda_backend._NAME, raising=False)
+
+    def no_compile(*_: object, **__: object) -> None:
+        raise AssertionError("compiled although a prebuilt binding is installed")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compile)
+    module = cuda_backend._build()
+    assert module is not None and module.PREBUILT
+    monkeypatch.delitem(sys.modules, cuda_backend._NAME, raising=False)
