@@ -203,10 +203,7 @@ def paged_attention(
         return reference.paged_attention(*args, plan=plan, out=out)
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
-    decodes_here = (
-        plan.has_decodes and _decode_supported(query, kv_cache) and load_extension() is not None
-    )
-    if not decodes_here:
+    if not (plan.has_decodes and _decode_supported(query, kv_cache) and load_extension()):
         return _without_decode_kernel(args, plan, out)
 
     def decode(
