@@ -86,3 +86,9 @@ def test_a_failing_fence_publishes_no_handle(make_engine: EngineFactory) -> None
         while engine.has_unfinished_requests():
             engine.step()
     assert engine.handoff.num_leases == 0
+
+
+def test_the_engine_fences_its_own_kv_device(make_engine: EngineFactory) -> None:  # noqa: F811
+    """The fence is told the KV tensor's device (not left to guess the current CUDA one)."""
+    engine = make_engine(role="prefill")
+    assert engine.handoff.kv_fence.device == engine.kv_tensor.device

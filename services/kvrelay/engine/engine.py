@@ -75,6 +75,7 @@ class Engine:
             kv_block_bytes=self.kv_block_bytes,
             lease_seconds=config.kv_lease_seconds,
             failure_policy=config.kv_transfer_failure,
+            kv_device=kv_tensor.device,  # the fence waits on this device's KV writes
         )
         self._parents: dict[str, ParentRequest] = {}
         self._owner: dict[str, tuple[ParentRequest, int]] = {}
