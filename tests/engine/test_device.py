@@ -26,7 +26,7 @@ from kvrelay.engine.engine import Engine
 from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.loader import load_model
-from kvrelay.worker.pools import worker_num_gpus
+from kvrelay.worker.pools import actor_engine_args, worker_num_gpus
 from kvrelay_kernels import select_backend
 from tests.engine.conftest import TINY_VOCAB, hf_greedy, run_to_completion
 
@@ -98,6 +98,17 @@ def test_device_flag_through_cli_and_engine_config(tiny_llama_dir: Path) -> None
     assert args.create_engine_config(tiny_llama_dir).device == "meta"
     assert worker_num_gpus("cuda:0", 0) == 1 and worker_num_gpus("cpu", 8) == 0
     assert (worker_num_gpus("auto", 0), worker_num_gpus("auto", 2)) == (0, 1)
+
+
+def test_a_worker_actor_sees_its_one_gpu_as_cuda() -> None:
+    """Ray shows a GPU actor only the GPU it picked: `cuda:3` would name one it cannot see."""
+    assert actor_engine_args({"device": "cuda:3", "dtype": "auto"}) == {
+        "device": "cuda",
+        "dtype": "auto",
+    }
+    for device in ("cuda", "cpu", "auto", "meta"):
+        assert actor_engine_args({"device": device})["device"] == device
+    assert actor_engine_args({}) == {}
 
 
 def test_device_cpu_gives_todays_greedy_tokens(tiny_llama_dir: Path) -> None:

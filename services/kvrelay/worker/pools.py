@@ -29,6 +29,17 @@ def worker_num_gpus(device: str, cluster_gpus: float) -> float:
     return 0
 
 
+def actor_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """The engine args as the actor must see them: Ray gives a GPU actor one GPU of its
+    choosing and shows it that GPU alone (CUDA_VISIBLE_DEVICES), as `cuda`; a `cuda:N` asked
+    here would name a GPU the actor cannot see."""
+    device = str(engine_args.get("device", "auto"))
+    if not device.startswith("cuda:"):
+        return engine_args
+    logger.warning("--device %s under Ray: Ray picks each worker's GPU; using 'cuda'", device)
+    return {**engine_args, "device": "cuda"}
+
+
 def spawn_worker(
     engine_args: dict[str, Any],
     role: Role | str,
@@ -67,8 +78,9 @@ def spawn_worker(
     # The secret goes as an argument, not a runtime_env variable: Ray's state API and
     # dashboard list an actor's runtime_env, not its arguments.
     return actor.remote(
-        engine_args, Role(role).value, transfer_backend, num_threads, None, kv_secret
-    )
+        actor_engine_args(engine_args), Role(role).value, transfer_backend, num_threads, None,
+        kv_secret,
+    )  # fmt: skip
 
 
 class Pools:
