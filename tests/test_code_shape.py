@@ -13,6 +13,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("services", "kernels", "operators", "benchmarks")
 MAX_FILE_LINES = 500
@@ -106,9 +108,16 @@ def test_the_schema_literal_detection() -> None:
     assert not _is_schema_literal(next(_functions(computed)))
 
 
-def test_the_router_does_not_import_torch() -> None:
+@pytest.mark.parametrize(
+    "module",
+    [
+        "kvrelay.router.router",  # the router's process stays light
+        "kvrelay.cli",  # `kvrelay --help` and `kvrelay operator` answer at once
+    ],
+)
+def test_light_modules_do_not_import_torch(module: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import kvrelay.router.router"],
+        [sys.executable, "-X", "importtime", "-c", f"import {module}"],
         capture_output=True,
         text=True,
         env=os.environ.copy(),
@@ -118,4 +127,4 @@ def test_the_router_does_not_import_torch() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
     torch_modules = [m for m in imported if m == "torch" or m.startswith("torch.")]
-    assert not torch_modules, f"the router imports torch: {torch_modules[:5]}"
+    assert not torch_modules, f"{module} imports torch: {torch_modules[:5]}"

@@ -9,11 +9,12 @@ import argparse
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvrelay.engine.device import resolve_device, resolve_dtype
-from kvrelay.engine.engine import Engine
+
+if TYPE_CHECKING:  # torch is imported when an engine is configured, not for the CLI's flags
+    from kvrelay.engine.engine import Engine
 
 _CPU_KV_MEMORY = "512MiB"  # the KV budget when no size is given and no GPU sizes it
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -82,6 +83,8 @@ class EngineArgs:
                 f"max_model_len={max_len} is longer than the model's "
                 f"{model_config.max_position_embeddings} positions"
             )
+        from kvrelay.engine.device import resolve_device, resolve_dtype
+
         device = resolve_device(self.device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
@@ -122,6 +125,7 @@ class EngineArgs:
         """
         import torch
 
+        from kvrelay.engine.engine import Engine
         from kvrelay.models.loader import load_model
         from kvrelay.models.tokenizer import has_tokenizer, load_tokenizer
         from kvrelay_kernels import select_backend
