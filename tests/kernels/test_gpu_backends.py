@@ -1,6 +1,7 @@
 """The CUDA and Triton backends on a GPU against the torch reference (run on the CPU in fp32).
 
-Skipped without CUDA; `benchmarks/gpu_check.sh` runs them on a lent GPU. Outputs are poisoned
+Skipped without CUDA (on a GPU with pytest: `pytest tests/kernels tests/engine -k gpu`;
+`benchmarks/gpu_check.py` checks the same kernels with no pytest). Outputs are poisoned
 with NaN before each call; inputs are fresh random each run (the seed is in the message).
 """
 
