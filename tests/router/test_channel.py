@@ -15,6 +15,9 @@ from ray.exceptions import RayActorError
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import ChannelItem
 from kvrelay.router.channel import Channels, Inbox, WorkerChannel
+from kvrelay.router.local import local_router
+from kvrelay.router.relay import RelayConfig
+from kvrelay.router.types import GenerateRequest
 from tests.router.fake_worker import FakeState, FakeWorker, model_tokens
 from tests.worker.conftest import worker_ray
 
@@ -145,4 +148,21 @@ async def test_the_same_request_id_twice_on_a_channel_never_mixes_the_runs() -> 
     assert last is not None and last.samples[-1].finish_reason == "length"
     assert [s.start for i in items if i.delta for s in i.delta.samples] == [0, 1, 2, 3]
     channel.stop()
+    ray.kill(actor)
+
+
+async def test_a_batch_of_several_steps_still_streams_one_chunk_per_step() -> None:
+    """With no step time the fake's deltas pile up into batches of many steps; the client
+    still gets one chunk per token (the router's merge coalesces only what a slow client
+    leaves waiting), as a stream per request gave."""
+    actor = _fake(step_s=0.0)
+    router = await local_router([actor], relay=RelayConfig(max_local_prefill_tokens=0))
+    prompt = [4, 8, 15, 16]
+    request = GenerateRequest("burst", prompt, SamplingParams(max_tokens=24))
+    chunks = [chunk async for chunk in router.generate(request)]
+    per_chunk = [len(c.token_ids) for chunk in chunks for c in chunk.choices if c.token_ids]
+    assert per_chunk == [1] * 24
+    tokens = [t for chunk in chunks for c in chunk.choices for t in c.token_ids]
+    assert tokens == model_tokens(prompt, 24)
+    router.relay.channels.close()
     ray.kill(actor)

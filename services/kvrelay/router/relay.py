@@ -275,6 +275,11 @@ class Relay:
                 run.take(delta)
                 if worker_done or run.state.finished:
                     return True
+                if not inbox.empty():
+                    # A batch brought several steps at once: let the client's writer send
+                    # this one first (one chunk per step, as a stream per request gave),
+                    # or the router's merge would coalesce them.
+                    await asyncio.sleep(0)
         except (RayActorError, ActorUnavailableError, ChannelClosedError) as exc:
             worker_done = True
             raise WorkerLostError(worker, exc) from exc
