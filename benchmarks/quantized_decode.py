@@ -1,0 +1,317 @@
+#!/usr/bin/env python
+"""One stream's decode speed with fp32, bf16 and Q4_1 weights, and how exact Q4_1 is (issue 15).
+
+Three parts, all in one run on the default model (SmolLM2-135M-Instruct, Q4_1 at the source):
+  --layers   the model's linear shapes at 1, 4 and 16 rows: fp32 dense / packed, bf16 dense /
+             packed (oneDNN), Q4_1 int4 (bf16 activations); median microseconds per matmul.
+  decode     the offline engine decodes one greedy stream; median wall time of a decode step
+             and its tokens/s, per configuration (dtype + quantization).
+  --hf       kvrelay's greedy tokens against transformers' in bf16 and fp32.
+  --exact    Q4_1 weights against the dequantized fp32 model on a few prompts: greedy text,
+             and over prompt + reference continuation (teacher-forced) the top-1 agreement and
+             the largest logit difference.
+
+llama.cpp's figure on the same GGUF is printed beside it when `llama-bench` is found on PATH
+or under ~/.cache (none is installed by this script).
+
+    .venv/bin/python benchmarks/quantized_decode.py --layers --exact --hf --threads 1
+    .venv/bin/python benchmarks/quantized_decode.py --configs bfloat16:q4_1 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrelay.engine.engine import Engine
+from kvrelay.models.llama import CausalLM
+
+PROMPT = "The history of the printing press begins"
+EXACT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "Photosynthesis is the process by which",
+    "1, 2, 3, 5, 8, 13,",
+    "The three primary colors are",
+    "In 1969, Neil Armstrong",
+    "Translate to French: Good morning, how are you?",
+)
+CONFIGS = ("float32:none", "bfloat16:none", "float32:q4_1", "bfloat16:q4_1")
+# Compared with the fp32 model whose weights are the GGUF's dequantized exactly.
+EXACT_CANDIDATES = ("float32:q4_1", "bfloat16:q4_1", "bfloat16:none")
+# The default model's matmuls: [out, in] of qkv, o, gate+up, down and the tied vocab head.
+LAYER_SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "vocab": (49152, 576),
+}
+
+
+def build_engine(dtype: str, quantization: str) -> Engine:
+    """The offline engine as `EngineArgs.create_engine` builds it, with `quantization`."""
+    from kvrelay.engine.args import EngineArgs
+    from kvrelay.models.loader import load_model
+    from kvrelay.models.tokenizer import load_tokenizer
+    from kvrelay_kernels import select_backend
+
+    args = EngineArgs(dtype=dtype)
+    path = args.resolve_model_path()
+    config = args.create_engine_config(path)
+    model, _ = load_model(
+        path,
+        select_backend(config.attention_backend),
+        dtype=getattr(torch, config.dtype),
+        max_positions=config.max_model_len,
+        device=config.device,
+        quantization=quantization,
+    )
+    model.prepack()
+    return Engine(config, model, load_tokenizer(path))
+
+
+def decode_step_ms(engine: Engine, tokens: int, repeats: int) -> float:
+    """Median wall time of one decode step of a single greedy stream (first run is warm-up)."""
+    from kvrelay import SamplingParams
+
+    tokenizer: Any = engine.tokenizer
+    prompt = tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    medians: list[float] = []
+    for run in range(repeats + 1):
+        engine.add_request(f"decode-{run}", prompt, params)
+        engine.step()  # the prefill step is not a decode step
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        if run:
+            medians.append(statistics.median(times))
+    return 1000 * statistics.median(medians)
+
+
+def greedy_tokens(engine: Engine, prompt: str, tokens: int) -> list[int]:
+    from kvrelay import SamplingParams
+
+    tokenizer: Any = engine.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    engine.add_request(f"greedy-{prompt}", tokenizer.encode(prompt), params)
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        for result in engine.step():
+            out = list(result.outputs[0].token_ids)
+    return out
+
+
+def teacher_forced_logits(model: CausalLM, ids: Sequence[int]) -> torch.Tensor:
+    """`[T, vocab]` fp32 logits of every position of `ids`, one prefill in a fresh cache."""
+    from kvrelay.models.inputs import AttentionInputs
+
+    block_size, n = 16, len(ids)
+    blocks = (n + block_size - 1) // block_size
+    dtype = model.embed_tokens.weight.dtype
+    cache = torch.zeros(model.kv_cache_shape(blocks, block_size), dtype=dtype)
+    attn = AttentionInputs.build(
+        slot_mapping=torch.arange(n, dtype=torch.int64),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        block_size=block_size,
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(n), cache, attn)
+        return model.compute_logits(hidden)
+
+
+def exactness(reference: Engine, candidate: Engine, tokens: int) -> dict[str, Any]:
+    """Greedy agreement of `candidate` with `reference` over EXACT_PROMPTS."""
+    tokenizer: Any = reference.tokenizer
+    same_text, agree, total, max_err = 0, 0, 0, 0.0
+    for prompt in EXACT_PROMPTS:
+        ref = greedy_tokens(reference, prompt, tokens)
+        got = greedy_tokens(candidate, prompt, tokens)
+        same_text += ref == got
+        ids = tokenizer.encode(prompt) + ref
+        a = teacher_forced_logits(_model(reference), ids)
+        b = teacher_forced_logits(_model(candidate), ids)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+        max_err = max(max_err, float((a - b).abs().max()))
+    return {
+        "prompts": len(EXACT_PROMPTS),
+        "same_greedy_text": same_text,
+        "top1_agreement": agree / total,
+        "positions": total,
+        "max_logit_error": max_err,
+    }
+
+
+def hf_agreement(engine: Engine, dtype: str, tokens: int) -> dict[str, Any]:
+    """Greedy tokens of `engine` against transformers' on the same folder and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from kvrelay.models.default_model import default_model_dir
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        default_model_dir(), torch_dtype=getattr(torch, dtype)
+    )
+    tokenizer: Any = engine.tokenizer
+    same, agree, total = 0, 0, 0
+    for prompt in EXACT_PROMPTS:
+        ours = greedy_tokens(engine, prompt, tokens)
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+        theirs = out[0, ids.shape[1] :].tolist()
+        same += ours == theirs
+        # Tokens equal up to the first divergence (after it the contexts differ).
+        agree += next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours)
+        )
+        total += len(ours)
+    return {"prompts": len(EXACT_PROMPTS), "same_greedy_text": same,
+            "tokens_before_first_divergence": f"{agree}/{total}"}  # fmt: skip
+
+
+def _model(engine: Engine) -> CausalLM:
+    model = engine.runner.model
+    assert isinstance(model, CausalLM)
+    return model
+
+
+def layer_table(repeats: int) -> list[str]:
+    """Median µs per matmul of the model's shapes, every path side by side."""
+    from kvrelay.models.layers import linear
+    from kvrelay.models.quantized import Int4Linear
+
+    rows_out = ["| layer [out, in] | rows | fp32 dense | fp32 packed | bf16 dense | bf16 packed "
+                "| Q4_1 int4 (bf16) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for name, (n, k) in LAYER_SHAPES.items():
+        w = torch.randn(n, k, generator=gen) * 0.05
+        w16 = w.bfloat16()
+        p32 = torch.ops.mkldnn._reorder_linear_weight(w)
+        p16 = torch.ops.mkldnn._reorder_linear_weight(w16)
+        raw = _random_q4_1(n, k, gen)
+        q4 = Int4Linear(raw, k, None, torch.bfloat16)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, generator=gen)
+            x16 = x.bfloat16()
+            calls = [
+                partial(linear, x, w),
+                partial(_packed, x, p32),
+                partial(linear, x16, w16),
+                partial(_packed, x16, p16),
+                partial(q4, x16),
+            ]
+            cells = [_median_us(call, repeats) for call in calls]
+            text = " | ".join(f"{c:.0f}" for c in cells)
+            rows_out.append(f"| {name} [{n}, {k}] | {m} | {text} |")
+            print(rows_out[-1], flush=True)
+    return rows_out
+
+
+def _packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _random_q4_1(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """`[n, k / 32 * 20]` uint8 Q4_1 rows with small fp16 scales and mins."""
+    blocks = k // 32
+    consts = (torch.rand(n, blocks, 2, generator=gen) * 0.01).half().view(torch.uint8)
+    codes = torch.randint(0, 256, (n, blocks, 16), generator=gen, dtype=torch.uint8)
+    return torch.cat((consts.reshape(n, blocks, 4), codes), -1).reshape(n, blocks * 20)
+
+
+def _median_us(fn: Callable[[], object], repeats: int) -> float:
+    with torch.inference_mode():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def llama_cpp_figure(gguf: Path, threads: int) -> str:
+    """llama.cpp's 1-stream decode tok/s on `gguf` (llama-bench tg128), or why there is none."""
+    found = shutil.which("llama-bench")
+    if found is None:
+        cached = sorted(Path.home().joinpath(".cache").rglob("llama-bench"))
+        found = str(cached[0]) if cached else None
+    if found is None:
+        return "llama.cpp: not installed on this machine (no llama-bench on PATH or in ~/.cache)"
+    cmd = [found, "-m", str(gguf), "-p", "0", "-n", "128", "-t", str(threads), "-o", "csv"]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
+    return f"llama.cpp llama-bench tg128: {result.stdout.strip() or result.stderr.strip()}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=list(CONFIGS),
+        help="dtype:quantization pairs to decode with (default: %(default)s)",
+    )
+    parser.add_argument("--tokens", type=int, default=64, help="decode steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (medians)")
+    parser.add_argument("--layers", action="store_true", help="the per-layer matmul table")
+    parser.add_argument("--exact", action="store_true", help="Q4_1 vs dequantized fp32")
+    parser.add_argument("--hf", action="store_true", help="bf16 greedy vs transformers' bf16")
+    parser.add_argument("--exact-tokens", type=int, default=24, help="greedy tokens per prompt")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 keeps a shared machine's other load from "
+        "stalling every parallel region (the figures in the README are --threads 1)",
+    )
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.layers:
+        layer_table(repeats=50)
+    rows = ["| weights | activations | ms / decode step | tok/s |", "|---|---|---|---|"]
+    for spec in args.configs:
+        dtype, _, quantization = spec.partition(":")
+        engine = build_engine(dtype, quantization or "none")
+        ms = decode_step_ms(engine, args.tokens, args.repeats)
+        weights = "Q4_1 (int4)" if quantization == "q4_1" else dtype
+        rows.append(f"| {weights} | {dtype} | {ms:.1f} | {1000 / ms:.1f} |")
+        print(rows[-1], flush=True)
+        del engine
+        gc.collect()
+    if args.exact:
+        reference = build_engine("float32", "none")
+        for dtype in ("float32", "bfloat16"):
+            print(f"Q4_1 with {dtype} activations vs dequantized fp32:",
+                  exactness(reference, build_engine(dtype, "q4_1"), args.exact_tokens))  # fmt: skip
+    if args.hf:
+        for dtype in ("bfloat16", "float32"):
+            result = hf_agreement(build_engine(dtype, "none"), dtype, args.exact_tokens)
+            print(f"kvrelay {dtype} vs transformers {dtype}: {result}", flush=True)
+    from kvrelay.models.default_model import SOURCE_GGUF, default_model_dir
+
+    print(llama_cpp_figure(default_model_dir() / SOURCE_GGUF, torch.get_num_threads()))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
