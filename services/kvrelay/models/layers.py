@@ -58,8 +58,8 @@ class PackedLinear(nn.Module):
     (it keeps the weight in the tile order its kernels stream), and 1.5-3x faster than
     `linear` above from two rows on; for a single fp32 row `linear` is faster there.
 
-    bf16 (on AVX512-BF16 / AMX CPUs) is oneDNN's bf16 kernel: on a 2-core Zen 4 it is
-    1.3-2x faster than bf16 `linear` at 1, 4 and 16 rows and 1.5-3x faster than packed fp32
+    bf16 (on AVX512-BF16 / AMX CPUs) is oneDNN's bf16 kernel: on a 2-core Xeon with AMX it is
+    1.1-2x faster than bf16 `linear` at 1, 4 and 16 rows and 2-3x faster than packed fp32
     (`benchmarks/quantized_decode.py --layers`), so bf16 takes this path at every row count.
     """
 
