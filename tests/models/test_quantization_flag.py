@@ -1,31 +1,24 @@
-"""`--quantization` and `--dtype auto` through the engine's arguments.
-
-Skipped until the engine patch of issue 15 (EngineArgs.quantization, resolve_dtype using
-cpu_has_native_bf16) lands in kvrelay.engine; then these run as they are.
-"""
+"""`--quantization` through the engine's arguments: the CLI flag, and the default model served
+with its Q4_1 weights kept 4-bit."""
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 
 import pytest
 
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.device import resolve_dtype
-from kvrelay.models.cpu_features import cpu_has_native_bf16
 from kvrelay.models.quantized import Int4Linear
 
-pytestmark = pytest.mark.skipif(
-    "quantization" not in {f.name for f in dataclasses.fields(EngineArgs)},
-    reason="EngineArgs has no quantization field yet (engine patch of issue 15 not applied)",
-)
 
-
-def test_dtype_auto_follows_native_bf16_on_cpu() -> None:
-    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
-    assert resolve_dtype("auto", "cpu") == expected
-    assert resolve_dtype("auto", "cuda") == "bfloat16"
-    assert resolve_dtype("float32", "cpu") == "float32"
+def test_the_flag_reaches_the_engine_args() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args([])).quantization == "none"
+    args = EngineArgs.from_cli_args(parser.parse_args(["--quantization", "q4_1"]))
+    assert args.quantization == "q4_1"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parser.parse_args(["--quantization", "q3_k"])
 
 
 @pytest.mark.slow

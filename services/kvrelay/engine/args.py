@@ -51,6 +51,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
+    quantization: str = "none"  # "q4_1" | "auto": the folder GGUF's Q4_1 weights kept 4-bit
     device: str = "auto"  # "auto": cuda when torch sees a GPU, else cpu
     seed: int = 0
     num_threads: int | None = None
@@ -139,6 +140,7 @@ class EngineArgs:
             dtype=getattr(torch, config.dtype),
             max_positions=config.max_model_len,
             device=config.device,
+            quantization=self.quantization,
         )
         model.prepack()
         if self.sizes_kv_by_utilization(config.device):
@@ -201,6 +203,12 @@ class EngineArgs:
             default="auto",
             help=_HELP["dtype"],
         )
+        add(
+            "--quantization",
+            choices=["none", "auto", "q4_1"],
+            default="none",
+            help=_HELP["quantization"],
+        )
         add("--device", default="auto", help=_HELP["device"])
         add("--seed", type=int, default=0, help=_HELP["seed"])
         add("--num-threads", type=int, default=None, help=_HELP["num_threads"])
@@ -231,8 +239,12 @@ _HELP = {
     "max_num_seqs": "most sequences running at once (default 128)",
     "long_prefill_token_threshold": "cap on one prompt's chunk per step, 0 for none (default 0)",
     "max_model_len": "longest sequence, prompt plus output (default: the model's)",
-    "dtype": "weights and KV cache dtype: auto (default: bfloat16 on CUDA, float32 on CPU, "
-    "the fast one there), float32, bfloat16 or float16",
+    "dtype": "weights and KV cache dtype: auto (default: bfloat16 on CUDA, float32 on CPU), "
+    "float32, bfloat16 (fast on CPUs with AVX512-BF16 or AMX) or float16",
+    "quantization": "weights kept quantized (CPU): q4_1 reads the model folder's GGUF (the "
+    "default model keeps its Q4_1 source there) and runs its Q4_1 matmuls as int4, fastest "
+    "with --dtype bfloat16 (the activations' dtype); auto does so when the folder holds a "
+    "GGUF with Q4_1 weights; none (default) loads the safetensors weights",
     "device": "where weights, KV cache and step tensors live: auto (default: cuda when torch "
     "sees a GPU, else cpu), cpu, cuda, cuda:N, or meta (tests: shapes only, no data)",
     "seed": "seed of the sampler for requests without their own seed (default 0)",
