@@ -71,13 +71,8 @@ def load_model(
         hf_weights, gguf = quantized
         source, count = str(gguf), 1
     else:
-        files = safetensors_files(folder)
-        # safetensors cannot read to meta (tests' shapes-only device): read those on the CPU.
-        read_to = "cpu" if torch.device(device).type == "meta" else str(device)
-        hf_weights = {}
-        for path in files:
-            hf_weights.update(load_file(str(path), device=read_to))
-        source, count = str(folder), len(files)
+        hf_weights, count = _read_safetensors(folder, torch.device(device))
+        source = str(folder)
     state = convert_hf_state_dict(hf_weights, config, dtype, source=source)
     del hf_weights
     # Built on the meta device: no memory and no random init for weights that the checkpoint
@@ -94,6 +89,17 @@ def load_model(
     model.requires_grad_(False)
     logger.info("loaded %s from %s (%d files)", config.architecture, source, count)
     return model, config
+
+
+def _read_safetensors(folder: Path, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
+    """Every checkpoint tensor, read straight to `device`, and the number of files."""
+    files = safetensors_files(folder)
+    # safetensors cannot read to meta (tests' shapes-only device): read those on the CPU.
+    read_to = "cpu" if device.type == "meta" else str(device)
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        weights.update(load_file(str(path), device=read_to))
+    return weights, len(files)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
