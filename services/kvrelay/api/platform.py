@@ -76,7 +76,7 @@ async def run_router(
         await server.drain_and_stop()
     finally:
         router.encoder.close()
-        router.relay.channels.close()  # the workers' output channels: each aborts what it still runs
+        router.relay.channels.close()  # the output channels: each aborts what it still runs
         await registry.close()
         for task in tasks:
             task.cancel()
