@@ -5,7 +5,6 @@ and, where a toolchain is cached already, by the last test."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,18 +13,15 @@ from types import ModuleType
 
 import pytest
 
+from tests.benchmarks.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "kernels" / "csrc" / "check_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def check() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_kernels", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_kernels"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _lay_out_toolchain(check: ModuleType, target: Path, *, with_cicc: bool = True) -> None:

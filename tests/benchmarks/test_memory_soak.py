@@ -4,7 +4,6 @@ columns), the growth section and a verdict for every process."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.benchmarks import scripts
 from tests.servers import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,16 +20,7 @@ SCRIPT = REPO / "benchmarks" / "memory_soak.py"
 
 
 def load_script() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))  # its own imports (fuzz_soak, serving) live there
-    try:
-        spec = importlib.util.spec_from_file_location("memory_soak", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["memory_soak"] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return scripts.load_script(SCRIPT)
 
 
 def test_memory_soak_help() -> None:

@@ -3,7 +3,6 @@ the session's server over HTTP), its table, and its refusal of an unknown servin
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.benchmarks.scripts import load_script
 from tests.servers import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,16 +19,7 @@ SCRIPT = REPO / "benchmarks" / "step_overhead.py"
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))  # its `serving` package lives there
-    try:
-        spec = importlib.util.spec_from_file_location("step_overhead", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["step_overhead"] = module  # its dataclass looks its module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return load_script(SCRIPT)
 
 
 def test_help_names_the_options() -> None:
