@@ -16,7 +16,7 @@ mid-stream (a client noticed) or a greedy stream differed from its baseline.
 
 The next kill waits until the previous victim has been replaced (so a kill never hits a dead
 process), then for the rest of its --every interval. Worker pids come from the router's log
-(`worker <id> (<role>, pid <pid>) joined`).
+(`worker <id> (<role>, pid <pid>, ...) joined`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import httpx
 from tqdm import tqdm
 
 from serving.outcomes import Stats, stream_text
+from serving.processes import WORKER_JOINED
 from serving.servers import RunningServer, ServerSpec, free_port
 
 PROMPTS = (
@@ -50,7 +51,6 @@ PROMPTS = (
     "Write a short letter to a friend who has just moved to a city by the sea.",
     "Explain to a child why the sky is blue and why sunsets are red.",
 )
-JOINED = re.compile(r"worker (?P<id>\w+) \((?P<role>\w+), pid (?P<pid>\d+)\) joined")
 ROLES = ("prefill", "decode")
 KILLS_HEADER = (
     f"{'#':>3} {'at (s)':>8} {'role':>8} {'pid':>8} {'replaced (s)':>14} {'serving (s)':>14}"
@@ -114,7 +114,8 @@ def wait_until(check: Callable[[], object], timeout_s: float, every_s: float = 0
 
 def current_worker(log_path: Path, role: str) -> int | None:
     """The pid of the last worker of `role` that joined, from the router's log."""
-    joined = [m for m in JOINED.finditer(log_path.read_text(errors="replace")) if m["role"] == role]
+    text = log_path.read_text(errors="replace")
+    joined = [m for m in WORKER_JOINED.finditer(text) if m["role"] == role]
     return int(joined[-1]["pid"]) if joined else None
 
 

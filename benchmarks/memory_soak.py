@@ -7,7 +7,7 @@ The traffic churns the prefill worker's KV blocks: prompts of varied length (mos
 --max-local-prefill-tokens, so they are relayed), some sharing a long prefix (prefix-cache
 hits) and some not, streams and non-streams, chat and completions, n = 2 now and then, and
 clients that hang up mid-stream. Workers are told apart by the router's log line
-`worker <engine_id> (<role>, pid <pid>) joined`.
+`worker <engine_id> (<role>, pid <pid>, ...) joined`.
 
 Prints RSS over time per process (MiB), then per process the growth over the first and the
 last third of the run, the last third's slope (least squares, MiB/min) and a verdict:
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import re
 import shutil
 import sys
 import tempfile
@@ -35,10 +34,9 @@ from typing import Any
 
 import httpx
 
-from serving.processes import listening_pid, process_tree, rss_mib
+from serving.processes import WORKER_JOINED, listening_pid, process_tree, rss_mib
 from serving.servers import RunningServer, ServerSpec, free_port
 
-JOINED = re.compile(r"worker (\S+) \((\w+), pid (\d+)\) joined")
 WORDS = ("river", "stone", "cloud", "paper", "garden", "engine", "silver", "orange", "window",
          "mountain", "letter", "bright", "quiet", "market", "winter", "signal", "forest",
          "basket", "rocket", "candle", "harbor", "planet", "violin")  # fmt: skip
@@ -135,7 +133,8 @@ def worker_roles(log_path: Path | None) -> dict[int, str]:
         text = log_path.read_text(errors="replace")
     except OSError:
         return {}
-    return {int(pid): f"{role} {engine}" for engine, role, pid in JOINED.findall(text)}
+    joined = WORKER_JOINED.finditer(text)
+    return {int(m["pid"]): f"{m['role']} {m['id']}" for m in joined}
 
 
 @dataclass

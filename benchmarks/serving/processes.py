@@ -6,7 +6,12 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import re
 from pathlib import Path
+
+# The router's WARNING when a worker joins (router/workers.py):
+# "worker <engine_id> (<role>, pid <pid>[, pod <pod>, generation <generation>]) joined".
+WORKER_JOINED = re.compile(r"worker (?P<id>\S+) \((?P<role>\w+), pid (?P<pid>\d+)[^)]*\) joined")
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
