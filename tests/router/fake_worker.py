@@ -62,6 +62,7 @@ class Faults:
     lease_expires: bool = False  # release_kv finds the lease gone: returns False, frees it
     pull_fails: bool = False  # a decode worker's pull fails...
     pull_failure: str = "recompute"  # ...and it recomputes, or ("fail") finishes with "abort"
+    start_s: float = 0.0  # how long a `start` call takes to answer (a busy worker's loop)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,12 @@ class FakeWorker(ChannelEndpoint):
         )
 
     # -- requests --
+
+    async def start(self, *args: Any) -> None:
+        """The real channel's `start`, answering after `start_s` (other calls run meanwhile:
+        an abort sent then finds no request)."""
+        await asyncio.sleep(self.faults.start_s)
+        await super().start(*args)
 
     async def prefill(
         self,

@@ -131,6 +131,11 @@ async def live_at(actor: Any, request_id: str) -> bool:
     return request_id in state.requests
 
 
+async def aborted_at(actor: Any, request_id: str) -> bool:
+    state: FakeState = await actor.state.remote()
+    return request_id in state.called("abort")
+
+
 def decisions(router: Router, decision: str) -> float:
     value: float = router.metrics.decisions.labels(decision)._value.get()
     return value
@@ -412,6 +417,26 @@ async def test_client_leaves_after_the_first_token(
         await client.cancel_task()
     assert client.tokens == EXPECTED[: len(client.tokens)]
     assert len(client.tokens) < MAX_TOKENS
+    # Whole at once if the decode's start had not answered yet: the abort follows its answer.
+    await eventually(lambda: aborted_at(d, rid), "the abort at the decode worker")
     ps, ds = await cluster.assert_whole(p, d)
     assert ps.released == ((rid, True),)  # on the way out, or at D's first output
     assert ds.called("abort") == [rid]
+
+
+async def test_client_leaves_while_the_decode_start_is_on_its_way(
+    cluster: Cluster, rid: str
+) -> None:
+    """The abort waits for the start's answer: sent at once, it would reach the worker before
+    the request does, find nothing, and the request would run on (here: hold its blocks for
+    the whole slow pull)."""
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0", start_s=1.0, pull_s=SLOW_S)
+    router = await cluster.make_router(p, d)
+    client = Client(router, rid)
+    await client.read(1)  # the prefill's token; the router is now starting the decode
+    await client.chunks.aclose()  # type: ignore[attr-defined]
+    await eventually(lambda: aborted_at(d, rid), "the abort at the decode worker")
+    ps, ds = await cluster.assert_whole(p, d)
+    assert ds.calls == (("generate", rid), ("abort", rid))
+    assert ps.released == ((rid, True),)

@@ -9,6 +9,7 @@ the request wherever it still runs, so every KV block is freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -84,6 +85,7 @@ class Relay:
         self.metrics = metrics
         # Each worker's outputs for this router come on one channel (router/channel.py).
         self.channels = Channels()
+        self._late_aborts: set[asyncio.Task[None]] = set()  # see _abort_once_started
 
     async def run(self, run: SampleRun, hashes: Sequence[bytes], block_size: int) -> None:
         """Run the sample to its end. A worker that dies is taken out and the sample goes on
@@ -258,11 +260,13 @@ class Relay:
         worker_done = False
         channel = self.channels.of(worker.worker_id, worker.handle)
         tag, inbox = channel.open()
+        start = worker.handle.start.remote(
+            channel.channel_id, tag, run.request_id, run.prompt, run.params, handle, list(resume)
+        )
+        started = False
         try:
-            await worker.handle.start.remote(
-                channel.channel_id, tag, run.request_id, run.prompt, run.params, handle,
-                list(resume),
-            )  # fmt: skip
+            await start
+            started = True
             while True:
                 delta = _delta_of(await inbox.get())
                 worker_done = delta.finished
@@ -292,8 +296,24 @@ class Relay:
         finally:
             channel.close(tag)
             worker.in_flight -= 1
-            if not worker_done:  # a stop string, a cancelled client, a lost lease
+            if not worker_done and started:  # a stop string, a cancelled client, a lost lease
                 _fire(worker.handle.abort, run.request_id)
+            elif not worker_done:
+                self._abort_once_started(worker, run.request_id, start)
+
+    def _abort_once_started(self, worker: WorkerState, request_id: str, start: Any) -> None:
+        """Abort a request whose `start` call has not answered yet (the client left while it
+        was on its way), once it has: an abort that ran at the worker before the request
+        was added there would find nothing, and the request would run on to its end."""
+
+        async def abort_after_start() -> None:
+            with contextlib.suppress(Exception):
+                await start
+            _fire(worker.handle.abort, request_id)
+
+        task = asyncio.get_running_loop().create_task(abort_after_start())
+        self._late_aborts.add(task)
+        task.add_done_callback(self._late_aborts.discard)
 
 
 def _delta_of(item: ChannelItem | BaseException) -> OutputDelta:
