@@ -27,6 +27,8 @@ from kvrelay.models.quantized_loading import QuantizationError, find_gguf, read_
 from kvrelay_kernels import select_backend
 
 Q4_1 = GGMLQuantizationType.Q4_1
+Q8_0 = GGMLQuantizationType.Q8_0
+F32 = GGMLQuantizationType.F32
 
 
 def _q4_1(weight: np.ndarray) -> torch.Tensor:
@@ -132,32 +134,50 @@ _LAYER_SHAPES = {
 }
 
 
-def _write_tiny_gguf(path: Path) -> None:
+def _write_tiny_gguf(
+    path: Path, types: dict[str, GGMLQuantizationType] | None = None, default: Any = Q4_1
+) -> None:
+    """The tiny model's GGUF, each matmul of type `types.get(name, default)` (F32 written
+    as floats), the token embedding Q8_0 when `default` is (as in the default model's)."""
     writer = GGUFWriter(str(path), "llama")
     rng = np.random.default_rng(0)
-    writer.add_tensor("token_embd.weight", (rng.standard_normal((128, 64)) * 0.5).astype("f4"))
+    _add(writer, "token_embd.weight", (rng.standard_normal((128, 64)) * 0.5).astype("f4"),
+         Q8_0 if default == Q8_0 else F32)  # fmt: skip
     writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
     for i in range(_CONFIG["num_hidden_layers"]):
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(64, np.float32))
         for j, (name, (out, inp)) in enumerate(_LAYER_SHAPES.items()):
-            raw = quants.quantize(_random_weight(out, inp, seed=10 * i + j), Q4_1)
-            writer.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=Q4_1)
+            weight = _random_weight(out, inp, seed=10 * i + j)
+            _add(writer, f"blk.{i}.{name}.weight", weight, (types or {}).get(name, default))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder with config.json, the GGUF (source.gguf) and its dequantized safetensors."""
-    folder = tmp_path_factory.mktemp("tiny_q4_1")
+def _add(writer: GGUFWriter, name: str, weight: np.ndarray, qtype: Any) -> None:
+    if qtype == F32:
+        writer.add_tensor(name, weight)
+    else:
+        writer.add_tensor(name, quants.quantize(weight, qtype), raw_dtype=qtype)
+
+
+def make_gguf_folder(
+    folder: Path, types: dict[str, GGMLQuantizationType] | None = None, default: Any = Q4_1
+) -> Path:
+    """`folder` with config.json, the GGUF (source.gguf) and its dequantized safetensors."""
     (folder / "config.json").write_text(json.dumps(_CONFIG))
-    _write_tiny_gguf(folder / "source.gguf")
+    _write_tiny_gguf(folder / "source.gguf", types, default)
     dense = read_gguf_weights(folder / "source.gguf", 4, 2, keep_quantized=frozenset())
     save_file({k: v.contiguous() for k, v in dense.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with Q4_1 matmul weights."""
+    return make_gguf_folder(tmp_path_factory.mktemp("tiny_q4_1"))
 
 
 def _forward_logits(model: Any, paged_kv: Any, ids: list[int]) -> torch.Tensor:

@@ -1,36 +1,38 @@
-"""`--quantization`: read a model folder's GGUF with its Q4_1 matmul weights kept 4-bit.
+"""`--quantization`: read a model folder's GGUF with its Q4_1 or Q8_0 matmul weights kept
+4-/8-bit.
 
-The loader maps names and fuses q/k/v and gate/up as for safetensors (the raw Q4_1 rows are
-fused byte-wise); this module finds the GGUF, reads it, and swaps the fused linears for
-`Int4Linear`s before the rest of the state is loaded.
+The loader maps names and fuses q/k/v and gate/up as for safetensors (raw rows are fused
+byte-wise); this module finds the GGUF, reads it, and swaps the fused linears for
+`Int4PlanesLinear`s before the rest of the state is loaded.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from kvrelay.config import ModelConfig
-from kvrelay.models.gguf_convert import read_gguf_weights
+from kvrelay.models.gguf_convert import hf_tensor_name, read_gguf_weights
 from kvrelay.models.layers import Linear
-from kvrelay.models.quantized import (
-    Q4_1_BLOCK,
-    Q4_1_BLOCK_BYTES,
-    Int4Linear,
-    dequantize_q4_1,
-    int4_kernel_fits,
-)
+from kvrelay.models.quantized import dequantize, int4_kernel_fits, quantized_linear
 
 logger = logging.getLogger(__name__)
 
 # What `--quantization` accepts. "none": the safetensors weights as they are.
-QUANTIZATIONS = ("none", "auto", "q4_1")
+QUANTIZATIONS = ("none", "auto", "q4_1", "q8_0")
 # The GGUF next to the default model's converted weights (models/default_model.py).
 _PREFERRED_GGUF = "source.gguf"
-_KEPT_TYPES = frozenset({"Q4_1"})
+# The GGUF tensor types each choice keeps as raw rows ("auto": whichever of these the
+# matmul weights are); every other tensor is dequantized to fp32 at load.
+_KEPT_TYPES = {"q4_1": frozenset({"Q4_1"}), "q8_0": frozenset({"Q8_0"})}
+_AUTO_TYPES = frozenset({"Q4_1", "Q8_0"})
+# Weights the loader concatenates into one linear (q/k/v, gate/up): kept raw only together.
+_FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 ("mlp.gate_proj", "mlp.up_proj"))  # fmt: skip
 
 
 class QuantizationError(ValueError):
@@ -55,15 +57,28 @@ def find_gguf(folder: Path) -> Path | None:
     return found[0] if found else None
 
 
+def matmul_types(gguf: Path) -> Counter[str]:
+    """How many of the GGUF's matmul weights (attention and MLP projections) are of each
+    tensor type, e.g. `{"Q4_1": 210}`."""
+    from gguf import GGUFReader
+
+    return Counter(
+        t.tensor_type.name
+        for t in GGUFReader(gguf).tensors
+        if hf_tensor_name(t.name).endswith("_proj.weight")
+    )
+
+
 def read_quantized_weights(
     folder: Path, quantization: str | None, config: ModelConfig, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], Path] | None:
-    """The folder GGUF's weights under HF names, Q4_1 ones as raw uint8 rows and the rest
-    fp32, and the GGUF's path; None when the safetensors weights are to be loaded.
+    """The folder GGUF's weights under HF names, the kept quantized ones as raw uint8 rows
+    and the rest fp32, and the GGUF's path; None when the safetensors weights are to be
+    loaded.
 
     Raises:
-        QuantizationError: an unknown value; "q4_1" on a non-CPU device or for a folder
-            without a GGUF holding Q4_1 weights.
+        QuantizationError: an unknown value; "q4_1"/"q8_0" on a non-CPU device or for a
+            folder without a GGUF whose matmul weights include that type.
     """
     if quantization is None or quantization == "none":
         return None
@@ -80,36 +95,68 @@ def read_quantized_weights(
             f"drop --quantization on {device.type}"
         )
     gguf = find_gguf(folder)
-    weights = (
-        read_gguf_weights(gguf, config.num_attention_heads, config.num_key_value_heads, _KEPT_TYPES)
-        if gguf is not None
-        else {}
+    found = matmul_types(gguf) if gguf is not None else Counter[str]()
+    kept = (_AUTO_TYPES if auto else _KEPT_TYPES[quantization]) & found.keys()
+    if not kept:
+        if auto:
+            return None
+        raise QuantizationError(_no_such_weights(quantization, folder, gguf, found))
+    assert gguf is not None
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    weights = read_gguf_weights(gguf, heads, kv_heads, frozenset(kept))
+    _dequantize_mixed_groups(weights, config)
+    return weights, gguf
+
+
+def _no_such_weights(
+    quantization: str, folder: Path, gguf: Path | None, found: Counter[str]
+) -> str:
+    wanted = quantization.upper()
+    if gguf is None:
+        what = "none"
+    else:
+        types = ", ".join(f"{n} {t}" for t, n in found.most_common()) or "none"
+        what = f"no {wanted} matmul weight in {gguf.name} (its matmul weights: {types})"
+        usable = sorted(_AUTO_TYPES & found.keys())
+        if usable:
+            what += f"; serve it with --quantization {usable[0].lower()}"
+    return (
+        f"quantization {quantization!r} reads {wanted} matmul weights from a GGUF in the model "
+        f"folder, and {folder} has {what}; the default model keeps its Q4_1 source GGUF there "
+        "(`kvrelay pull`)"
     )
-    if any(w.dtype == torch.uint8 for w in weights.values()):
-        assert gguf is not None
-        return weights, gguf
-    if auto:
-        return None
-    raise QuantizationError(
-        f"quantization {quantization!r} reads Q4_1 weights from a GGUF in the model folder, "
-        f"and {folder} has {'none' if gguf is None else f'no Q4_1 tensor in {gguf.name}'}; "
-        "the default model keeps its source GGUF there (`kvrelay pull`)"
-    )
+
+
+def _dequantize_mixed_groups(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Dequantize (to fp32) the raw weights of any fused group whose members differ in
+    format, e.g. Q8_0 q_proj beside Q4_1 k_proj: rows of different widths cannot be
+    concatenated into one layer."""
+    for i in range(config.num_hidden_layers):
+        for group in _FUSED_GROUPS:
+            names = [f"model.layers.{i}.{p}.weight" for p in group]
+            members = [weights[n] for n in names if n in weights]
+            if len({(m.dtype, m.shape[1]) for m in members}) <= 1:
+                continue
+            for name in names:
+                if name in weights and weights[name].dtype == torch.uint8:
+                    weights[name] = dequantize(weights[name], config.hidden_size)
 
 
 def install_quantized_linears(
     model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> int:
-    """Replace each linear whose weight in `state` is raw Q4_1 (uint8) by an `Int4Linear`.
+    """Replace each linear whose weight in `state` is raw Q4_1 or Q8_0 (uint8) by an
+    `Int4PlanesLinear`.
 
-    The replaced layers' weight (and bias) entries are taken out of `state`. A Q4_1 tensor
-    that is not a linear's weight, or whose shape the int4 kernel does not take, is
-    dequantized into `state` instead (exactly, in fp32, then cast to `dtype`).
+    The replaced layers' weight (and bias) entries are taken out of `state`. A raw tensor
+    that is not a linear's weight (e.g. a Q8_0 token embedding), or whose shape the int4
+    kernel does not take, is dequantized into `state` instead (exactly, in fp32, then cast
+    to `dtype`).
 
     Returns:
         How many layers were replaced.
     """
-    replaced = 0
+    replaced: Counter[str] = Counter()
     for key in [k for k, v in state.items() if v.dtype == torch.uint8]:
         path = key.removesuffix(".weight")
         module = model.get_submodule(path) if key.endswith(".weight") else None
@@ -117,19 +164,16 @@ def install_quantized_linears(
         if not isinstance(module, Linear) or not int4_kernel_fits(
             module.out_features, module.in_features
         ):
-            in_features = module.in_features if isinstance(module, Linear) else _row_length(raw)
-            state[key] = dequantize_q4_1(raw, in_features).to(dtype)
+            in_features = model.get_parameter(key).shape[-1]
+            state[key] = dequantize(raw, in_features).to(dtype)
             continue
         bias = state.pop(path + ".bias", None)
         parent_path, _, child = path.rpartition(".")
-        quantized = Int4Linear(raw, module.in_features, bias, dtype)
+        quantized = quantized_linear(raw, module.in_features, bias, dtype)
         setattr(model.get_submodule(parent_path), child, quantized)
-        replaced += 1
-    if replaced:
-        logger.info("%d linear layers run on Q4_1 weights (int4, %s activations)", replaced, dtype)
-    return replaced
-
-
-def _row_length(raw: torch.Tensor) -> int:
-    """Weights per row of raw Q4_1 rows (20 bytes per 32 weights)."""
-    return raw.shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
+        replaced[quantized.label] += 1
+    for label, count in replaced.items():
+        logger.info(
+            "%d linear layers run on %s weights (int4, %s activations)", count, label, dtype
+        )
+    return sum(replaced.values())
