@@ -130,6 +130,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="single-stream repeats (median)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="both sides' dtype (default float32; kvrelay's auto would be bf16 on some CPUs)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     args = parser.parse_args()
@@ -165,8 +171,13 @@ def main() -> None:
     from kvrelay.models.default_model import pull_default_model
 
     path = args.model or str(pull_default_model())
-    llm = LLM(path, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="2GiB")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(
+        path,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory="2GiB",
+        dtype=args.dtype,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     work = make_workload(args.num_requests, llm.engine.config.model_config.vocab_size, args.seed)
     print(
         f"workload: {len(work.prompts)} requests, {sum(map(len, work.prompts))} prompt tokens, "

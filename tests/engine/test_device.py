@@ -10,6 +10,7 @@ inputs are built on the host) are allowed.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,11 @@ from torch.utils._pytree import tree_flatten
 
 from kvrelay.config import EngineConfig, SchedulerConfig
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.device import resolve_device, resolve_dtype
+from kvrelay.engine.device import CPU_AUTO_DTYPE_ENV, resolve_device, resolve_dtype
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kvrelay.engine.sampling import SamplingParams
+from kvrelay.models.cpu_features import cpu_has_native_bf16
 from kvrelay.models.loader import load_model
 from kvrelay.worker.pools import actor_engine_args, worker_num_gpus
 from kvrelay_kernels import select_backend
@@ -79,10 +81,33 @@ def test_device_names_resolve() -> None:
         with pytest.raises(ValueError, match="no CUDA GPU"):
             resolve_device("cuda:0")
     assert resolve_dtype("auto", "cuda:1") == "bfloat16"
-    assert resolve_dtype("auto", "cpu") == "float32"
     assert resolve_dtype("float16", "cpu") == "float16"
     with pytest.raises(ValueError, match="device"):
         EngineConfig(model="m", model_config=None, device="gpu")  # type: ignore[arg-type]
+
+
+def test_auto_dtype_on_a_cpu_follows_its_bf16_instructions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)
+    assert resolve_dtype("auto", "cpu", native_cpu_bf16=True) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", native_cpu_bf16=False) == "float32"
+    assert resolve_dtype("auto", "meta", native_cpu_bf16=True) == "float32"
+    detected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolve_dtype("auto", "cpu") == detected
+    assert resolve_dtype("float32", "cpu", native_cpu_bf16=True) == "float32"
+
+
+def test_auto_dtype_override_for_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test suite's own setting (tests/conftest.py), and a deployment's way to pin it."""
+    assert os.environ[CPU_AUTO_DTYPE_ENV] == "float32"  # set for every test
+    assert resolve_dtype("auto", "cpu", native_cpu_bf16=True) == "float32"
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "bfloat16")
+    assert resolve_dtype("auto", "cpu", native_cpu_bf16=False) == "bfloat16"
+    assert resolve_dtype("auto", "cuda") == "bfloat16"  # CUDA ignores it
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "fp16")
+    with pytest.raises(ValueError, match="KVRELAY_CPU_AUTO_DTYPE='fp16': use one of float32"):
+        resolve_dtype("auto", "cpu")
 
 
 def test_device_flag_through_cli_and_engine_config(tiny_llama_dir: Path) -> None:

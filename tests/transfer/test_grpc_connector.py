@@ -85,7 +85,7 @@ def test_block_size_mismatch_fails(local_pair: LocalPair) -> None:
     small = GrpcConnector(serve=False, timeout_s=2.0, secret=SECRET)
     small.register(torch.zeros(4, 1, 2, 4, 2, 8), "S", 1)
     small.add_peer(server.metadata())
-    with pytest.raises(TransferError, match=r"INVALID_ARGUMENT.*one model, one block size"):
+    with pytest.raises(TransferError, match=r"INVALID_ARGUMENT.*one model, dtype and block size"):
         small.pull(leases.handle("P", 1, [0], "S"), plan_for([0], [0]))
     small.close()
 

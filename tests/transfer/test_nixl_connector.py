@@ -118,7 +118,7 @@ def test_add_peer_refuses_bad_metadata() -> None:
             connector.add_peer(PeerMetadata("Y", 1, "grpc", b"127.0.0.1:1"))
         with pytest.raises(ValueError, match="unreadable"):
             connector.add_peer(PeerMetadata("Y", 1, "nixl", b"\xff\xff garbage"))
-        with pytest.raises(ValueError, match="same model and block size"):
+        with pytest.raises(ValueError, match="same model, dtype and block size"):
             connector.add_peer(other.metadata())
     finally:
         other.close()

@@ -50,8 +50,8 @@ class EngineArgs:
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
-    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
-    quantization: str = "none"  # "q4_1" | "auto": the folder GGUF's Q4_1 weights kept 4-bit
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA and bf16-native CPUs, else float32
+    quantization: str = "none"  # "q4_1" | "q8_0" | "auto": the folder GGUF's weights kept low-bit
     device: str = "auto"  # "auto": cuda when torch sees a GPU, else cpu
     seed: int = 0
     num_threads: int | None = None
@@ -205,7 +205,7 @@ class EngineArgs:
         )
         add(
             "--quantization",
-            choices=["none", "auto", "q4_1"],
+            choices=["none", "auto", "q4_1", "q8_0"],
             default="none",
             help=_HELP["quantization"],
         )
@@ -239,12 +239,14 @@ _HELP = {
     "max_num_seqs": "most sequences running at once (default 128)",
     "long_prefill_token_threshold": "cap on one prompt's chunk per step, 0 for none (default 0)",
     "max_model_len": "longest sequence, prompt plus output (default: the model's)",
-    "dtype": "weights and KV cache dtype: auto (default: bfloat16 on CUDA, float32 on CPU), "
-    "float32, bfloat16 (fast on CPUs with AVX512-BF16 or AMX) or float16",
-    "quantization": "weights kept quantized (CPU): q4_1 reads the model folder's GGUF (the "
-    "default model keeps its Q4_1 source there) and runs its Q4_1 matmuls as int4, fastest "
-    "with --dtype bfloat16 (the activations' dtype); auto does so when the folder holds a "
-    "GGUF with Q4_1 weights; none (default) loads the safetensors weights",
+    "dtype": "weights and KV cache dtype: auto (default: bfloat16 on CUDA and on CPUs that "
+    "compute bf16 natively, AVX512-BF16, AMX or Arm BF16; float32 on other CPUs), float32, "
+    "bfloat16 or float16. Prefill and decode pools must agree: pin it where their CPUs differ",
+    "quantization": "weights kept quantized (CPU), read from the model folder's GGUF: q4_1 "
+    "runs its Q4_1 matmuls as int4 (the default model keeps its Q4_1 source there), q8_0 its "
+    "Q8_0 matmuls as two int4 planes (exact, 8 bits a weight); both fastest with --dtype "
+    "bfloat16 (the activations' dtype); auto does either when the folder holds a GGUF with "
+    "such matmul weights; none (default) loads the safetensors weights",
     "device": "where weights, KV cache and step tensors live: auto (default: cuda when torch "
     "sees a GPU, else cpu), cpu, cuda, cuda:N, or meta (tests: shapes only, no data)",
     "seed": "seed of the sampler for requests without their own seed (default 0)",

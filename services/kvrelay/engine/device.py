@@ -5,6 +5,7 @@ Resolution only; nothing here allocates or moves tensors.
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -37,9 +38,41 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """`auto` -> bfloat16 on CUDA (half the bytes per weight and KV entry, tensor cores), and
-    float32 elsewhere (the fast one on CPU: oneDNN prepacks fp32 weights only)."""
+# What `--dtype auto` means on a CPU, when set (float32 or bfloat16): the test suite pins
+# float32 so its token-exact checks do not depend on the machine it runs on.
+CPU_AUTO_DTYPE_ENV = "KVRELAY_CPU_AUTO_DTYPE"
+_CPU_AUTO_DTYPES = ("float32", "bfloat16")
+
+
+def resolve_dtype(dtype: str, device: str, native_cpu_bf16: bool | None = None) -> str:
+    """`auto` -> bfloat16 on CUDA (half the bytes per weight and KV entry, tensor cores); on a
+    CPU, bfloat16 where it computes bf16 in hardware (AVX512-BF16, AMX, Arm BF16: oneDNN runs
+    packed bf16 weights, ~3x fp32's speed on the default model), else float32 (emulated bf16
+    is slower than fp32). `KVRELAY_CPU_AUTO_DTYPE` overrides the CPU's choice.
+
+    Args:
+        dtype: `auto` or a torch dtype name (returned as it is).
+        device: the resolved device (`resolve_device`).
+        native_cpu_bf16: whether the CPU computes bf16 natively; None: detect it.
+
+    Raises:
+        ValueError: `KVRELAY_CPU_AUTO_DTYPE` names another dtype.
+    """
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    if device.startswith("cuda"):
+        return "bfloat16"
+    if device != "cpu":  # meta: shapes only
+        return "float32"
+    override = os.environ.get(CPU_AUTO_DTYPE_ENV)
+    if override:
+        if override not in _CPU_AUTO_DTYPES:
+            raise ValueError(
+                f"{CPU_AUTO_DTYPE_ENV}={override!r}: use one of {', '.join(_CPU_AUTO_DTYPES)}"
+            )
+        return override
+    if native_cpu_bf16 is None:
+        from kvrelay.models.cpu_features import cpu_has_native_bf16
+
+        native_cpu_bf16 = cpu_has_native_bf16()
+    return "bfloat16" if native_cpu_bf16 else "float32"

@@ -114,7 +114,9 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             stale = "the KV handle is from another life of this worker: recompute the prompt"
             return grpc.StatusCode.FAILED_PRECONDITION, "a stale handle", stale
         if request.block_bytes != self._block_bytes:
-            layout = "the KV block layouts differ: both pools must serve one model, one block size"
+            layout = (
+                "the KV block layouts differ: both pools must serve one model, dtype and block size"
+            )
             return grpc.StatusCode.INVALID_ARGUMENT, "another block size", layout
         if any(b >= self._rows.shape[0] for b in ids):
             return denied, "block ids out of range", NOT_AUTHORIZED

@@ -155,7 +155,8 @@ class NixlConnector(KVConnector):
         if info.block_bytes != local.block_bytes:
             raise ValueError(
                 f"peer {peer.engine_id} has {info.block_bytes}-byte KV blocks, this worker "
-                f"{local.block_bytes}: both pools must serve the same model and block size"
+                f"{local.block_bytes}: both pools must serve the same model, dtype and "
+                "block size"
             )
         if info.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"peer {peer.engine_id}: unknown memory type {info.mem_type!r}")
