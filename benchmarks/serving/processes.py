@@ -80,3 +80,21 @@ def rss_snapshot(root: int | None) -> dict[int, tuple[str, float]]:
         return {}
     return {pid: (name, rss) for pid, name in process_tree(root).items()
             if (rss := rss_mib(pid)) is not None}  # fmt: skip
+
+
+def cpu_seconds(root: int | None) -> float:
+    """User + system CPU seconds of the server's live process tree so far (0 without one):
+    the difference over a run, divided by its wall time, is how many cores the server kept
+    busy."""
+    if root is None:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in process_tree(root):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # gone between the listing and now
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / ticks

