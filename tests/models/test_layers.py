@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.layers import SMALL_BATCH_ROWS, linear
+from kvrelay.models.layers import SMALL_BATCH_ROWS, RMSNorm, linear
 from kvrelay.models.rope import apply_rope, rope_inv_freq
 
 
@@ -57,3 +57,27 @@ def test_prepacked_linear_matches_dense(rows: int, bias: bool) -> None:
     assert layer.packed is not None
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf(dtype: torch.dtype) -> None:
+    """Ours takes torch's fused kernel in every dtype; HF's LlamaRMSNorm is the reference
+    (fp32 math, cast back, then the weight), to the last bit in bf16."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
+    weight = torch.randn(576) * 0.5 + 1
+    ours.weight.data.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    x = (torch.randn(7, 576) * 3).to(dtype)
+    expected = theirs(x)
+    got = ours(x)
+    assert got.dtype == expected.dtype == dtype
+    if dtype == torch.bfloat16:
+        # One bf16 rounding step at most (the fp32 sum's order may differ).
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
+        assert (got == expected).float().mean() > 0.99
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

@@ -113,15 +113,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]. fp32 takes torch's fused kernel (one op instead of five); other
-        # dtypes normalize in fp32 and cast back, as HF does.
+        # x: [T, hidden]. torch's fused kernel (one op instead of five); other dtypes
+        # normalize in fp32, cast back, then scale, as HF does (two roundings, like HF's).
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.float()
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
+        h = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class GatedMLP(nn.Module):
