@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc_cpu" / "paged_decode_attention.cpp"
 _NAME = "kvrelay_cpu_attention"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the query's and the cache's alike
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -81,7 +82,8 @@ def paged_attention(
     module = load_extension()
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
-    if module is None or query.dtype != torch.float32 or not plan.has_decodes:
+    kernel_takes = query.dtype in _KERNEL_DTYPES and kv_cache.dtype == query.dtype
+    if module is None or not kernel_takes or not plan.has_decodes:
         return reference.paged_attention(
             query,
             kv_cache,

@@ -24,21 +24,54 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize(
     ("block_size", "kv_heads", "group", "dim"), [(4, 2, 3, 8), (16, 3, 3, 64), (16, 1, 8, 20)]
 )
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_the_reference(
-    seq_lens: list[int], q_lens: list[int], block_size: int, kv_heads: int, group: int, dim: int
+    seq_lens: list[int],
+    q_lens: list[int],
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    dim: int,
+    dtype: torch.dtype,
 ) -> None:
     batch = make_paged_batch(
         seq_lens, q_lens, block_size, kv_heads, group, dim, num_layers=3, seed=sum(seq_lens)
     )
-    query, kv_cache, tables = batch.query, batch.kv_cache, batch.block_tables
-    lens, qsl = batch.seq_lens, batch.query_start_loc
+    query, kv_cache = batch.query.to(dtype), batch.kv_cache.to(dtype)
+    tables, lens, qsl = batch.block_tables, batch.seq_lens, batch.query_start_loc
     plan = build_plan(tables, lens, qsl, block_size)
     for layer in (0, 2):
-        expected = reference.paged_attention(
-            query, kv_cache, layer, tables, lens, qsl, 0.3, plan=plan
-        )
         got = cpu_backend.paged_attention(query, kv_cache, layer, tables, lens, qsl, 0.3, plan=plan)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert got.dtype == dtype
+        if dtype == torch.float32:
+            expected = reference.paged_attention(
+                query, kv_cache, layer, tables, lens, qsl, 0.3, plan=plan
+            )
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        else:
+            # The kernel widens bf16 to fp32 and rounds once at the end: held to the fp32
+            # reference over the same bf16 inputs, within one bf16 rounding.
+            expected = reference.paged_attention(
+                query.float(), kv_cache.float(), layer, tables, lens, qsl, 0.3, plan=plan
+            )
+            torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=2**-7)
+
+
+def test_bf16_decode_rows_run_in_the_kernel() -> None:
+    """A bf16 decode step does not fall back to the torch reference (which gathers K/V)."""
+    batch = make_paged_batch([40, 7], [1, 1], 16, 2, 3, 64, num_layers=1, seed=3)
+    query, kv_cache = batch.query.bfloat16(), batch.kv_cache.bfloat16()
+    tables, lens, qsl = batch.block_tables, batch.seq_lens, batch.query_start_loc
+    module = cpu_backend.load_extension()
+    assert module is not None
+    direct = module.paged_decode_attention(
+        query.contiguous(), kv_cache, 0, tables.long(), lens.long(), 0.3
+    )
+    got = cpu_backend.paged_attention(query, kv_cache, 0, tables, lens, qsl, 0.3)
+    assert torch.equal(got, direct)  # the same bits: the kernel's, not SDPA's
+    mixed = cpu_backend.paged_attention(query, kv_cache.float(), 0, tables, lens, qsl, 0.3)
+    # A cache of another dtype goes the reference's way (the kernel refuses it): same values.
+    torch.testing.assert_close(mixed.float(), got.float(), atol=1e-2, rtol=2**-7)
 
 
 def test_auto_selects_the_cpu_backend() -> None:

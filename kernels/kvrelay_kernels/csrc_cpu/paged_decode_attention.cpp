@@ -1,5 +1,6 @@
 // Paged decode attention on the CPU: one query token per sequence, read straight from the
-// block-major KV cache [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] (fp32).
+// block-major KV cache [num_blocks, num_layers, 2, block_size, kv_heads, head_dim], fp32 or
+// bf16 (the math is fp32 in both: bf16 keys and values are widened as they are read).
 //
 // The torch reference gathers every sequence's K and V into contiguous copies before SDPA;
 // at decode that doubles the memory traffic of a memory-bound operation, and attention became
@@ -8,117 +9,167 @@
 // query heads that share a KV head (GQA) in one pass. Work is split over (sequence, KV head)
 // with torch's own thread pool.
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+inline float widen(float x) { return x; }
+
+// bf16 -> fp32 is the 16 bits moved to the top half: written out so GCC vectorizes the loops.
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * widen(b[i]);
   return sum;
 }
 
 // Finite stand-in for -inf, so the kernel is safe to build with fast-math flags.
 constexpr float kNoScore = -3.0e38f;
 
+struct Shape {
+  int64_t num_seqs, num_heads, head_dim, kv_heads, group, block_size, max_blocks;
+  int64_t token_stride, kv_stride, block_stride, layer_offset;
+};
+
+// One (sequence, KV head): the attention of its `group` query heads over the sequence's keys.
+template <typename T>
+void attend(const Shape& s, int64_t seq, int64_t h, const T* q, const T* cache,
+            const int64_t* tables, int64_t context, float scale, T* out, std::vector<float>& qf,
+            std::vector<float>& acc, std::vector<float>& m, std::vector<float>& l,
+            std::vector<float>& probs) {
+  const int64_t group = s.group, head_dim = s.head_dim, block_size = s.block_size;
+  const T* qh = q + (seq * s.num_heads + h * group) * head_dim;
+  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = widen(qh[i]);
+  std::fill(acc.begin(), acc.end(), 0.f);
+  std::fill(m.begin(), m.end(), kNoScore);
+  std::fill(l.begin(), l.end(), 0.f);
+  // One block at a time: its scores (the keys stream through once), one softmax rescale per
+  // block rather than per token, vectorized exps, then each value read once for all the query
+  // heads of this KV head.
+  for (int64_t start = 0; start < context; start += block_size) {
+    const int64_t count = std::min(block_size, context - start);
+    const int64_t block = tables[seq * s.max_blocks + start / block_size];
+    const T* keys = cache + block * s.block_stride + s.layer_offset + h * head_dim;
+    const T* values = keys + s.kv_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      float* pg = probs.data() + g * block_size;
+      float block_max = kNoScore;
+      for (int64_t j = 0; j < count; ++j) {
+        pg[j] = dot(qf.data() + g * head_dim, keys + j * s.token_stride, head_dim) * scale;
+        block_max = std::max(block_max, pg[j]);
+      }
+      const float new_max = std::max(m[g], block_max);
+      const float rescale = std::exp(m[g] - new_max);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < count; ++j) {
+        pg[j] = std::exp(pg[j] - new_max);
+        sum += pg[j];
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = new_max;
+      float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const T* v = values + j * s.token_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = probs[g * block_size + j];
+        float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * widen(v[d]);
+      }
+    }
+  }
+  T* oh = out + (seq * s.num_heads + h * group) * head_dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t d = 0; d < head_dim; ++d)
+      oh[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
+  }
+}
+
+template <typename T>
+void run(const Shape& s, const torch::Tensor& q, const torch::Tensor& kv_cache,
+         const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
+  const T* qp = q.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, s.num_seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = s.group * s.head_dim;
+    std::vector<float> qf(width), acc(width), m(s.group), l(s.group);
+    std::vector<float> probs(s.group * s.block_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t context = lp[seq];
+      TORCH_CHECK(context <= s.max_blocks * s.block_size, "seq_len beyond its block table");
+      attend(s, seq, h, qp, cache, tp, context, scale, op, qf, acc, m, l, probs);
+    }
+  });
+}
+
 }  // namespace
 
-// q: [S, Hq, D]; returns [S, Hq, D]. block_tables: [S, max_blocks] int64; seq_lens: [S] int64.
+// q: [S, Hq, D]; returns [S, Hq, D] in q's dtype. block_tables: [S, max_blocks] int64;
+// seq_lens: [S] int64.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      int64_t layer, const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat,
-              "paged_decode_attention is fp32 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) &&
+                  kv_cache.scalar_type() == dtype,
+              "paged_decode_attention takes fp32 or bf16, the query's and the cache's alike");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(kv_cache.dim() == 6 && q.dim() == 3, "q [S, Hq, D], kv_cache 6-D block-major");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
               "block_tables and seq_lens must be int64");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_layers = kv_cache.size(1), block_size = kv_cache.size(3);
-  const int64_t kv_heads = kv_cache.size(4);
-  TORCH_CHECK(kv_cache.size(5) == head_dim && num_heads % kv_heads == 0, "head shapes disagree");
+  Shape s{};
+  s.num_seqs = q.size(0);
+  s.num_heads = q.size(1);
+  s.head_dim = q.size(2);
+  const int64_t num_layers = kv_cache.size(1);
+  s.block_size = kv_cache.size(3);
+  s.kv_heads = kv_cache.size(4);
+  TORCH_CHECK(kv_cache.size(5) == s.head_dim && s.num_heads % s.kv_heads == 0,
+              "head shapes disagree");
   TORCH_CHECK(layer >= 0 && layer < num_layers, "layer out of range");
-  const int64_t group = num_heads / kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-
+  s.group = s.num_heads / s.kv_heads;
+  s.max_blocks = block_tables.size(1);
+  s.token_stride = s.kv_heads * s.head_dim;          // between tokens of a block
+  s.kv_stride = s.block_size * s.token_stride;       // K -> V of one layer
+  s.block_stride = num_layers * 2 * s.kv_stride;     // between blocks
+  s.layer_offset = layer * 2 * s.kv_stride;
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* cache = kv_cache.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t token_stride = kv_heads * head_dim;          // between tokens of a block
-  const int64_t kv_stride = block_size * token_stride;       // K -> V of one layer
-  const int64_t block_stride = num_layers * 2 * kv_stride;   // between blocks
   const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * head_dim), m(group), l(group), probs(group * block_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / kv_heads, h = item % kv_heads;
-      const int64_t context = lp[seq];
-      TORCH_CHECK(context <= max_blocks * block_size, "seq_len beyond its block table");
-      const float* qh = qp + (seq * num_heads + h * group) * head_dim;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), kNoScore);
-      std::fill(l.begin(), l.end(), 0.f);
-      // One block at a time: its scores (the keys stream through once), one softmax rescale
-      // per block rather than per token, vectorized exps, then each value read once for all
-      // the query heads of this KV head.
-      for (int64_t start = 0; start < context; start += block_size) {
-        const int64_t count = std::min(block_size, context - start);
-        const int64_t block = tp[seq * max_blocks + start / block_size];
-        const float* keys = cache + block * block_stride + layer * 2 * kv_stride + h * head_dim;
-        const float* values = keys + kv_stride;
-        for (int64_t g = 0; g < group; ++g) {
-          float* pg = probs.data() + g * block_size;
-          float block_max = kNoScore;
-          for (int64_t j = 0; j < count; ++j) {
-            pg[j] = dot(qh + g * head_dim, keys + j * token_stride, head_dim) * fscale;
-            block_max = std::max(block_max, pg[j]);
-          }
-          const float new_max = std::max(m[g], block_max);
-          const float rescale = std::exp(m[g] - new_max);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < count; ++j) {
-            pg[j] = std::exp(pg[j] - new_max);
-            sum += pg[j];
-          }
-          l[g] = l[g] * rescale + sum;
-          m[g] = new_max;
-          float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
-        }
-        for (int64_t j = 0; j < count; ++j) {
-          const float* v = values + j * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = probs[g * block_size + j];
-            float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
-          }
-        }
-      }
-      float* oh = op + (seq * num_heads + h * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) oh[g * head_dim + d] = acc[g * head_dim + d] * inv;
-      }
-    }
-  });
+  if (dtype == torch::kFloat) {
+    run<float>(s, q, kv_cache, tables, lens, fscale, out);
+  } else {
+    run<c10::BFloat16>(s, q, kv_cache, tables, lens, fscale, out);
+  }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the block-major paged KV cache (CPU, fp32)");
+        "decode attention over the block-major paged KV cache (CPU, fp32 or bf16)");
 }
