@@ -11,12 +11,25 @@ from kvrelay.engine.args import EngineArgs
 from kvrelay.models.quantized import Int4Linear
 
 
+def test_the_cli_offers_what_the_loader_accepts() -> None:
+    # args.py lists the choices itself (the CLI's flags import no torch): keep them in step.
+    from kvrelay.models.quantized_loading import QUANTIZATIONS
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    action = next(a for a in parser._actions if a.dest == "quantization")
+    assert tuple(action.choices or ()) == QUANTIZATIONS
+    assert "q8_0" in (action.help or "")
+
+
 def test_the_flag_reaches_the_engine_args() -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     assert EngineArgs.from_cli_args(parser.parse_args([])).quantization == "none"
     args = EngineArgs.from_cli_args(parser.parse_args(["--quantization", "q4_1"]))
     assert args.quantization == "q4_1"
+    args = EngineArgs.from_cli_args(parser.parse_args(["--quantization", "q8_0"]))
+    assert args.quantization == "q8_0"
     with pytest.raises(SystemExit):  # argparse names the choices
         parser.parse_args(["--quantization", "q3_k"])
 
