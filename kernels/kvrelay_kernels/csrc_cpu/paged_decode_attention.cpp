@@ -30,12 +30,44 @@ inline float widen(c10::BFloat16 x) {
   return f;
 }
 
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * widen(b[i]);
-  return sum;
+// 16 fp32 lanes in GCC's portable vector type: one AVX-512 register, two AVX2 ones.
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+typedef uint32_t vword __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kGroupTile = 4;  // query heads scored together: each key is loaded once
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vfloat load(const c10::BFloat16* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  const vword w = __builtin_convertvector(h, vword) << 16;
+  vfloat v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+typedef float vhalf_float __attribute__((vector_size(32)));
+typedef float vquarter_float __attribute__((vector_size(16)));
+
+// The 16 lanes summed as a tree (halves, then quarters): a few dependent adds instead of 16.
+inline float hsum(vfloat v) {
+  vhalf_float lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const vhalf_float eight = lo + hi;
+  vquarter_float a, b;
+  std::memcpy(&a, &eight, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&eight) + sizeof a, sizeof b);
+  const vquarter_float four = a + b;
+  return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
 // Finite stand-in for -inf, so the kernel is safe to build with fast-math flags.
@@ -46,7 +78,68 @@ struct Shape {
   int64_t token_stride, kv_stride, block_stride, layer_offset;
 };
 
-// One (sequence, KV head): the attention of its `group` query heads over the sequence's keys.
+// Scores of one block's `count` keys for every query head of the group, into probs[g][j]:
+// the head_dim is walked 16 lanes at a time with one accumulator per query head (up to
+// kGroupTile), so a key is loaded once per tile and reduced once per head.
+template <typename T>
+void score_block(const Shape& s, const float* qf, const T* keys, int64_t count, float scale,
+                 float* probs) {
+  const int64_t head_dim = s.head_dim, chunks = head_dim / kLanes;
+  for (int64_t j = 0; j < count; ++j) {
+    const T* kj = keys + j * s.token_stride;
+    for (int64_t g0 = 0; g0 < s.group; g0 += kGroupTile) {
+      const int64_t tile = std::min(kGroupTile, s.group - g0);
+      vfloat acc[kGroupTile] = {};
+      for (int64_t c = 0; c < chunks; ++c) {
+        const vfloat k = load(kj + c * kLanes);
+        for (int64_t g = 0; g < tile; ++g) acc[g] += load(qf + (g0 + g) * head_dim + c * kLanes) * k;
+      }
+      for (int64_t g = 0; g < tile; ++g) {
+        const float* qg = qf + (g0 + g) * head_dim;
+        float sum = hsum(acc[g]);
+        for (int64_t d = chunks * kLanes; d < head_dim; ++d) sum += qg[d] * widen(kj[d]);
+        probs[(g0 + g) * s.block_size + j] = sum * scale;
+      }
+    }
+  }
+}
+
+// acc[g] += sum_j probs[g][j] * value_j over one block: 16 lanes of the accumulator stay in a
+// register while the block's values stream past.
+template <typename T>
+void accumulate_values(const Shape& s, const float* probs, const T* values, int64_t count,
+                       float* acc) {
+  const int64_t head_dim = s.head_dim, chunks = head_dim / kLanes;
+  for (int64_t g = 0; g < s.group; ++g) {
+    const float* pg = probs + g * s.block_size;
+    float* ag = acc + g * head_dim;
+    for (int64_t c = 0; c < chunks; ++c) {
+      vfloat a = load(ag + c * kLanes);
+      for (int64_t j = 0; j < count; ++j) a += pg[j] * load(values + j * s.token_stride + c * kLanes);
+      store(ag + c * kLanes, a);
+    }
+    for (int64_t d = chunks * kLanes; d < head_dim; ++d) {
+      float a = ag[d];
+      for (int64_t j = 0; j < count; ++j) a += pg[j] * widen(values[j * s.token_stride + d]);
+      ag[d] = a;
+    }
+  }
+}
+
+// Prefetch the `count` keys and values of one KV head in a block (a cache line at a time).
+template <typename T>
+void prefetch_block(const Shape& s, const T* keys, int64_t count) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t j = 0; j < count; ++j) {
+    for (int64_t d = 0; d < s.head_dim; d += kLine) {
+      __builtin_prefetch(keys + j * s.token_stride + d);
+      __builtin_prefetch(keys + s.kv_stride + j * s.token_stride + d);
+    }
+  }
+}
+
+// One (sequence, KV head): the attention of its `group` query heads over the sequence's keys,
+// one block at a time with an online softmax (one rescale per block, not per token).
 template <typename T>
 void attend(const Shape& s, int64_t seq, int64_t h, const T* q, const T* cache,
             const int64_t* tables, int64_t context, float scale, T* out, std::vector<float>& qf,
@@ -58,21 +151,22 @@ void attend(const Shape& s, int64_t seq, int64_t h, const T* q, const T* cache,
   std::fill(acc.begin(), acc.end(), 0.f);
   std::fill(m.begin(), m.end(), kNoScore);
   std::fill(l.begin(), l.end(), 0.f);
-  // One block at a time: its scores (the keys stream through once), one softmax rescale per
-  // block rather than per token, vectorized exps, then each value read once for all the query
-  // heads of this KV head.
   for (int64_t start = 0; start < context; start += block_size) {
     const int64_t count = std::min(block_size, context - start);
     const int64_t block = tables[seq * s.max_blocks + start / block_size];
     const T* keys = cache + block * s.block_stride + s.layer_offset + h * head_dim;
-    const T* values = keys + s.kv_stride;
+    if (start + block_size < context) {
+      // Blocks lie anywhere in the cache, so the hardware prefetcher loses the thread at every
+      // block: ask for the next one's keys and values while this one is computed.
+      const int64_t next = tables[seq * s.max_blocks + start / block_size + 1];
+      prefetch_block(s, cache + next * s.block_stride + s.layer_offset + h * head_dim,
+                     std::min(block_size, context - start - block_size));
+    }
+    score_block(s, qf.data(), keys, count, scale, probs.data());
     for (int64_t g = 0; g < group; ++g) {
       float* pg = probs.data() + g * block_size;
       float block_max = kNoScore;
-      for (int64_t j = 0; j < count; ++j) {
-        pg[j] = dot(qf.data() + g * head_dim, keys + j * s.token_stride, head_dim) * scale;
-        block_max = std::max(block_max, pg[j]);
-      }
+      for (int64_t j = 0; j < count; ++j) block_max = std::max(block_max, pg[j]);
       const float new_max = std::max(m[g], block_max);
       const float rescale = std::exp(m[g] - new_max);
       float sum = 0.f;
@@ -87,15 +181,7 @@ void attend(const Shape& s, int64_t seq, int64_t h, const T* q, const T* cache,
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
     }
-    for (int64_t j = 0; j < count; ++j) {
-      const T* v = values + j * s.token_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = probs[g * block_size + j];
-        float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * widen(v[d]);
-      }
-    }
+    accumulate_values(s, probs.data(), keys + s.kv_stride, count, acc.data());
   }
   T* oh = out + (seq * s.num_heads + h * group) * head_dim;
   for (int64_t g = 0; g < group; ++g) {
