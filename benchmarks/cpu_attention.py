@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""kvrelay's C++ CPU decode attention against the torch reference (gather + SDPA), same run.
+
+One query token per sequence over the paged, block-major KV cache with shuffled block tables,
+in the default model's head shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16);
+median microseconds per layer call and the ratio, fp32 and bf16. A decode step calls it once
+per layer (30 for the default model).
+
+    .venv/bin/python benchmarks/cpu_attention.py --threads 1
+    .venv/bin/python benchmarks/cpu_attention.py --shapes 16x1024,64x512 --repeats 31
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernels.paged_batch
+
+from tests.kernels.paged_batch import make_paged_batch
+
+from kvrelay_kernels import build_plan, cpu_backend, reference
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--shapes", default="1x256,16x256,16x1024", help="SEQSxCONTEXT,... (default: %(default)s)")
+    add("--dtypes", default="float32,bfloat16", help="comma-separated (default: %(default)s)")
+    add("--repeats", type=int, default=15, help="timed calls per case (median)")
+    add("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add("--kv-heads", type=int, default=3)
+    add("--group", type=int, default=3, help="query heads per KV head")
+    add("--head-dim", type=int, default=64)
+    add("--block-size", type=int, default=16)
+    return parser
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """`16x1024,1x256` -> [(16, 1024), (1, 256)]."""
+    shapes = []
+    for part in text.split(","):
+        seqs, sep, context = part.strip().partition("x")
+        if not sep or not seqs.isdigit() or not context.isdigit():
+            raise SystemExit(f"--shapes: {part!r} is not SEQSxCONTEXT (e.g. 16x1024)")
+        shapes.append((int(seqs), int(context)))
+    return shapes
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (and the kernel's build on its first call)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def measure(args: argparse.Namespace, seqs: int, context: int, dtype: torch.dtype) -> str:
+    """One table row: the kernel's and the reference's median, and their ratio."""
+    batch = make_paged_batch(
+        [context] * seqs, [1] * seqs, args.block_size, args.kv_heads, args.group, args.head_dim
+    )
+    query, kv_cache = batch.query.to(dtype), batch.kv_cache.to(dtype)
+    tables, lens, qsl = batch.block_tables, batch.seq_lens, batch.query_start_loc
+    plan = build_plan(tables, lens, qsl, args.block_size)
+    scale = args.head_dim**-0.5
+
+    def ours() -> object:
+        return cpu_backend.paged_attention(query, kv_cache, 0, tables, lens, qsl, scale, plan=plan)
+
+    def theirs() -> object:
+        return reference.paged_attention(query, kv_cache, 0, tables, lens, qsl, scale, plan=plan)
+
+    kernel, ref = median_us(ours, args.repeats), median_us(theirs, args.repeats)
+    name = str(dtype).removeprefix("torch.")
+    return f"| {seqs} x {context} | {name} | {kernel:.0f} | {ref:.0f} | {ref / kernel:.2f}x |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_backend.is_available():
+        print("the CPU kernel does not build here (no C++ compiler?)")
+        return 1
+    dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| sequences x context | dtype | kernel us | reference us | speed-up |")
+    print("|---|---|---:|---:|---:|")
+    for seqs, context in parse_shapes(args.shapes):
+        for dtype in dtypes:
+            print(measure(args, seqs, context, dtype), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

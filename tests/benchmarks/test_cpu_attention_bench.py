@@ -1,0 +1,28 @@
+"""benchmarks/cpu_attention.py runs end to end on a tiny shape and refuses bad --shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrelay_kernels import cpu_backend
+from tests.benchmarks.scripts import load_script
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_attention.py"
+
+
+def test_shapes_parse_and_bad_ones_say_the_form() -> None:
+    bench = load_script(SCRIPT)
+    assert bench.parse_shapes("16x1024, 1x8") == [(16, 1024), (1, 8)]
+    with pytest.raises(SystemExit, match="SEQSxCONTEXT"):
+        bench.parse_shapes("16by1024")
+
+
+@pytest.mark.skipif(not cpu_backend.is_available(), reason="the CPU kernel does not build here")
+def test_it_prints_one_row_per_case(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script(SCRIPT)
+    assert bench.main(["--shapes", "2x40", "--repeats", "2", "--threads", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 x 40")]
+    assert [row.split("|")[2].strip() for row in rows] == ["float32", "bfloat16"]
+    assert all(row.rstrip(" |").endswith("x") for row in rows)
