@@ -246,7 +246,7 @@ def measure(
                 command = bench_command(
                     vllm, spec.base_url, SERVED_MODEL, args.model, c, workload, args.log_dir, file
                 )
-                cpu_before, wall_before = cpu_seconds(running.pid), time.monotonic()
+                cpu_before = cpu_seconds(running.pid)
                 data = run_bench(
                     command,
                     bench_env(key),
@@ -254,8 +254,10 @@ def measure(
                     args.log_dir / f"{name}-client.log",
                     args.run_timeout,
                 )
-                busy = (cpu_seconds(running.pid) - cpu_before) / (time.monotonic() - wall_before)
                 point = parse_result(data, c)
+                # Over the timed run, not the client's own start-up (~15 s of imports) during
+                # which the server idles; only the client's one test request is extra.
+                busy = (cpu_seconds(running.pid) - cpu_before) / max(point.duration_s, 1e-3)
                 result.points[c] = dataclasses.replace(point, cores_busy=busy)
                 print(
                     f"    {point.output_throughput:.1f} tok/s, TTFT p50 "
@@ -270,15 +272,18 @@ def measure(
     return result
 
 
-def report(results: list[ServerResult], args: argparse.Namespace, workload: Workload) -> str:
-    header = (
+def describe_workload(args: argparse.Namespace, workload: Workload) -> str:
+    return (
         f"vllm bench serve, random dataset, {workload.input_len} tokens in, "
         f"{workload.output_len} out (EOS ignored), seed {workload.seed}, "
-        f"--num-prompts {args.num_prompts or '4 x streams'}; output tokens/s:"
+        f"--num-prompts {args.num_prompts or '4 x streams'}"
     )
+
+
+def report(results: list[ServerResult], args: argparse.Namespace, workload: Workload) -> str:
     text = "\n\n".join(
         [
-            header,
+            describe_workload(args, workload) + "; output tokens/s:",
             markdown_table(results, args.max_concurrency),
             "kvrelay's best over the peer's best, output tok/s (same run):",
             ratios_table(results, args.max_concurrency),
@@ -312,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(results, args, workload)
     print("\n" + text)
     data = {
-        "title": text.splitlines()[0],
+        "title": describe_workload(args, workload),
         "concurrencies": args.max_concurrency,
         "servers": [r.to_json() for r in results],
     }

