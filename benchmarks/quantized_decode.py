@@ -1,13 +1,20 @@
 #!/usr/bin/env python
-"""One stream's decode speed with fp32, bf16 and Q4_1 weights, and how exact Q4_1 is (issue 15).
+"""One stream's decode speed with fp32, bf16, Q4_1 and Q8_0 weights, and how exact the quantized
+ones are (issue 15).
 
-Three parts, all in one run on the default model (SmolLM2-135M-Instruct, Q4_1 at the source):
+Four parts, all in one run on the default model (SmolLM2-135M-Instruct, Q4_1 at the source;
+its Q8_0 twin is written once under --q8-0-folder: every Q4_1 matmul weight requantized to
+Q8_0 with gguf's own quantizer, beside the dequantized safetensors as the exact reference):
   --layers   the model's linear shapes at 1, 4 and 16 rows: fp32 dense / packed, bf16 dense /
-             packed (oneDNN), Q4_1 int4 (bf16 activations); median microseconds per matmul.
+             packed (oneDNN), Q4_1 int4, Q8_0 as two int4 planes (exact, what q8_0 runs) and
+             torch's int8 kernel with one scale per row (requantized: NOT exact; its largest
+             weight error relative to the row's largest weight is printed), bf16 activations;
+             median microseconds per matmul.
   decode     the offline engine decodes one greedy stream; median wall time of a decode step
              and its tokens/s, per configuration (dtype + quantization).
   --hf       kvrelay's greedy tokens against transformers' in bf16 and fp32.
-  --exact    Q4_1 weights against the dequantized fp32 model on a few prompts: greedy text,
+  --exact    Q4_1 and Q8_0 weights against their dequantized fp32 models on a few prompts:
+             greedy text,
              and over prompt + reference continuation (teacher-forced) the top-1 agreement and
              the largest logit difference.
 
@@ -15,13 +22,14 @@ llama.cpp's figure on the same GGUF is printed beside it when `llama-bench` is f
 or under ~/.cache (none is installed by this script).
 
     .venv/bin/python benchmarks/quantized_decode.py --layers --exact --hf --threads 1
-    .venv/bin/python benchmarks/quantized_decode.py --configs bfloat16:q4_1 --tokens 128
+    .venv/bin/python benchmarks/quantized_decode.py --configs bfloat16:q4_1 bfloat16:q8_0
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import statistics
 import subprocess
@@ -47,7 +55,9 @@ EXACT_PROMPTS = (
     "In 1969, Neil Armstrong",
     "Translate to French: Good morning, how are you?",
 )
-CONFIGS = ("float32:none", "bfloat16:none", "float32:q4_1", "bfloat16:q4_1")
+CONFIGS = ("float32:none", "bfloat16:none", "float32:q4_1", "bfloat16:q4_1", "bfloat16:q8_0")
+# Where the default model's Q8_0 twin is written (once) for the q8_0 configurations.
+Q8_0_FOLDER = Path("/tmp/kvrelay-smollm2-q8_0")
 # Compared with the fp32 model whose weights are the GGUF's dequantized exactly.
 EXACT_CANDIDATES = ("float32:q4_1", "bfloat16:q4_1", "bfloat16:none")
 # The default model's matmuls: [out, in] of qkv, o, gate+up, down and the tied vocab head.
@@ -60,14 +70,15 @@ LAYER_SHAPES = {
 }
 
 
-def build_engine(dtype: str, quantization: str) -> Engine:
-    """The offline engine as `EngineArgs.create_engine` builds it, with `quantization`."""
+def build_engine(dtype: str, quantization: str, model: Path | None = None) -> Engine:
+    """The offline engine as `EngineArgs.create_engine` builds it, with `quantization`, on
+    `model` (default: the default model)."""
     from kvrelay.engine.args import EngineArgs
     from kvrelay.models.loader import load_model
     from kvrelay.models.tokenizer import load_tokenizer
     from kvrelay_kernels import select_backend
 
-    args = EngineArgs(dtype=dtype)
+    args = EngineArgs(dtype=dtype, model=str(model) if model else None)
     path = args.resolve_model_path()
     config = args.create_engine_config(path)
     model, _ = load_model(
@@ -195,10 +206,11 @@ def _model(engine: Engine) -> CausalLM:
 def layer_table(repeats: int) -> list[str]:
     """Median µs per matmul of the model's shapes, every path side by side."""
     from kvrelay.models.layers import linear
-    from kvrelay.models.quantized import Int4Linear
+    from kvrelay.models.quantized import Int4Linear, Q8_0Linear, dequantize_q8_0
 
     rows_out = ["| layer [out, in] | rows | fp32 dense | fp32 packed | bf16 dense | bf16 packed "
-                "| Q4_1 int4 (bf16) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+                "| Q4_1 int4 | Q8_0 2x int4 (exact) | int8 per-row (not exact) |",
+                "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in LAYER_SHAPES.items():
         w = torch.randn(n, k, generator=gen) * 0.05
@@ -207,6 +219,11 @@ def layer_table(repeats: int) -> list[str]:
         p16 = torch.ops.mkldnn._reorder_linear_weight(w16)
         raw = _random_q4_1(n, k, gen)
         q4 = Int4Linear(raw, k, None, torch.bfloat16)
+        raw8 = _random_q8_0(n, k, gen)
+        q8 = Q8_0Linear(raw8, k, None, torch.bfloat16)
+        int8, row_scales, err = _int8_per_row(dequantize_q8_0(raw8, k))
+        print(f"{name}: int8 per-row requantization of Q8_0, largest weight error / row max "
+              f"{err:.4f}", flush=True)  # fmt: skip
         for m in (1, 4, 16):
             x = torch.randn(m, k, generator=gen)
             x16 = x.bfloat16()
@@ -216,6 +233,8 @@ def layer_table(repeats: int) -> list[str]:
                 partial(linear, x16, w16),
                 partial(_packed, x16, p16),
                 partial(q4, x16),
+                partial(q8, x16),
+                partial(torch.ops.aten._weight_int8pack_mm, x16, int8, row_scales),
             ]
             cells = [_median_us(call, repeats) for call in calls]
             text = " | ".join(f"{c:.0f}" for c in cells)
@@ -236,6 +255,65 @@ def _random_q4_1(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat((consts.reshape(n, blocks, 4), codes), -1).reshape(n, blocks * 20)
 
 
+def _random_q8_0(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """`[n, k / 32 * 34]` uint8 Q8_0 rows with small fp16 scales and every int8 code."""
+    blocks = k // 32
+    scales = (torch.rand(n, blocks, generator=gen) * 0.002).half().view(torch.uint8)
+    codes = torch.randint(0, 256, (n, blocks, 32), generator=gen, dtype=torch.uint8)
+    return torch.cat((scales.reshape(n, blocks, 2), codes), -1).reshape(n, blocks * 34)
+
+
+def _int8_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """`w` requantized for `_weight_int8pack_mm` (int8 codes, one bf16 scale per row), and
+    the largest weight error relative to its row's largest weight."""
+    scale = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+    codes = torch.round(w / scale).clamp(-127, 127)
+    scale16 = scale.bfloat16()
+    err = ((codes * scale16.float() - w).abs() / (127 * scale)).max()
+    return codes.to(torch.int8), scale16.flatten(), float(err)
+
+
+def write_q8_0_twin(folder: Path) -> Path:
+    """The default model's folder with every Q4_1 weight of its source GGUF requantized to
+    Q8_0 (gguf's quantizer, GGUF row order kept: no rotary permutation to redo), and the
+    dequantized weights as safetensors (the exact fp32 reference); written once."""
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+    from safetensors.torch import save_file
+
+    from kvrelay.config import ModelConfig
+    from kvrelay.models.default_model import SOURCE_GGUF, default_model_dir
+    from kvrelay.models.gguf_convert import read_gguf_weights
+
+    source = default_model_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.suffix in (".json", ".jinja"):
+            shutil.copy(item, folder / item.name)
+    q8_0, q4_1 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
+    writer = GGUFWriter(str(folder / SOURCE_GGUF), "llama")
+    for t in GGUFReader(source / SOURCE_GGUF).tensors:
+        if t.tensor_type == q4_1:
+            weight = quants.dequantize(t.data, q4_1)
+            writer.add_tensor(t.name, quants.quantize(weight, q8_0), raw_dtype=q8_0)
+        elif t.tensor_type == q8_0:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=q8_0)
+        else:
+            writer.add_tensor(t.name, np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = ModelConfig.from_pretrained(folder)
+    dense = read_gguf_weights(folder / SOURCE_GGUF, config.num_attention_heads,
+                              config.num_key_value_heads, keep_quantized=frozenset())  # fmt: skip
+    dense.pop("lm_head.weight", None)  # tied to the embedding, as in the source folder
+    save_file({k: v.contiguous() for k, v in dense.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
 def _median_us(fn: Callable[[], object], repeats: int) -> float:
     with torch.inference_mode():
         for _ in range(3):
@@ -252,13 +330,26 @@ def llama_cpp_figure(gguf: Path, threads: int) -> str:
     """llama.cpp's 1-stream decode tok/s on `gguf` (llama-bench tg128), or why there is none."""
     found = shutil.which("llama-bench")
     if found is None:
-        cached = sorted(Path.home().joinpath(".cache").rglob("llama-bench"))
+        # Executable files only: a llama.cpp build tree also has a tools/llama-bench folder.
+        cached = sorted(
+            p
+            for p in Path.home().joinpath(".cache").rglob("llama-bench")
+            if p.is_file() and os.access(p, os.X_OK)
+        )
         found = str(cached[0]) if cached else None
     if found is None:
         return "llama.cpp: not installed on this machine (no llama-bench on PATH or in ~/.cache)"
     cmd = [found, "-m", str(gguf), "-p", "0", "-n", "128", "-t", str(threads), "-o", "csv"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
     return f"llama.cpp llama-bench tg128: {result.stdout.strip() or result.stderr.strip()}"
+
+
+WEIGHTS = {"q4_1": "Q4_1 (int4)", "q8_0": "Q8_0 (2x int4)"}
+
+
+def _folder(quantization: str, args: argparse.Namespace) -> Path | None:
+    """The model folder a quantization is measured on: the Q8_0 twin for q8_0."""
+    return write_q8_0_twin(args.q8_0_folder) if quantization == "q8_0" else None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -272,7 +363,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decode steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (medians)")
     parser.add_argument("--layers", action="store_true", help="the per-layer matmul table")
-    parser.add_argument("--exact", action="store_true", help="Q4_1 vs dequantized fp32")
+    parser.add_argument("--exact", action="store_true", help="Q4_1, Q8_0 vs dequantized fp32")
+    parser.add_argument(
+        "--exact-formats",
+        nargs="*",
+        default=["q4_1", "q8_0"],
+        choices=["q4_1", "q8_0"],
+        help="which quantizations --exact checks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--q8-0-folder",
+        type=Path,
+        default=Q8_0_FOLDER,
+        help="where the default model's Q8_0 twin is written once (~700 MB; default %(default)s)",
+    )
     parser.add_argument("--hf", action="store_true", help="bf16 greedy vs transformers' bf16")
     parser.add_argument("--exact-tokens", type=int, default=24, help="greedy tokens per prompt")
     parser.add_argument(
@@ -291,18 +395,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = ["| weights | activations | ms / decode step | tok/s |", "|---|---|---|---|"]
     for spec in args.configs:
         dtype, _, quantization = spec.partition(":")
-        engine = build_engine(dtype, quantization or "none")
+        engine = build_engine(dtype, quantization or "none", _folder(quantization, args))
         ms = decode_step_ms(engine, args.tokens, args.repeats)
-        weights = "Q4_1 (int4)" if quantization == "q4_1" else dtype
+        weights = WEIGHTS.get(quantization, dtype)
         rows.append(f"| {weights} | {dtype} | {ms:.1f} | {1000 / ms:.1f} |")
         print(rows[-1], flush=True)
         del engine
         gc.collect()
-    if args.exact:
-        reference = build_engine("float32", "none")
+    for quantization in args.exact_formats if args.exact else ():
+        folder = _folder(quantization, args)
+        reference = build_engine("float32", "none", folder)
         for dtype in ("float32", "bfloat16"):
-            print(f"Q4_1 with {dtype} activations vs dequantized fp32:",
-                  exactness(reference, build_engine(dtype, "q4_1"), args.exact_tokens))  # fmt: skip
+            candidate = build_engine(dtype, quantization, folder)
+            print(f"{quantization.upper()} with {dtype} activations vs dequantized fp32:",
+                  exactness(reference, candidate, args.exact_tokens), flush=True)  # fmt: skip
+            del candidate
+            gc.collect()
     if args.hf:
         for dtype in ("bfloat16", "float32"):
             result = hf_agreement(build_engine(dtype, "none"), dtype, args.exact_tokens)
