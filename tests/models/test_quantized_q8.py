@@ -177,7 +177,9 @@ def test_q8_0_greedy_tokens_equal_the_dequantized_model(q8_0_folder: Path) -> No
     from kvrelay.engine.args import EngineArgs
 
     def greedy(quantization: str) -> list[int]:
-        args = EngineArgs(model=str(q8_0_folder), quantization=quantization, num_blocks=16)
+        args = EngineArgs(
+            model=str(q8_0_folder), quantization=quantization, dtype="float32", num_blocks=16
+        )
         engine = args.create_engine()
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         engine.add_request("r", [5, 17, 99, 3], params)
