@@ -105,4 +105,6 @@ def ratios_table(results: Sequence[ServerResult], concurrencies: Sequence[int]) 
             names.add(f"{ours[1]} / {theirs[1]}")
         if names:
             rows.append(f"| {precision} | {'; '.join(sorted(names))} | " + " | ".join(cells) + " |")
+    if len(rows) == 2:
+        return "(no ratio: no peer ran at the precision of a kvrelay server)"
     return "\n".join(rows)
