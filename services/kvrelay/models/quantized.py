@@ -12,7 +12,10 @@ torch's int8 kernel (`_weight_int8pack_mm`) takes one scale per output row, whic
 per-block scales, so Q8_0 runs as two int4 planes over the same groups: with
 `u = q + 128 = 16 h + l` (h, l in 0..15), plane h has `scale = 16 d, zero = 0` and plane l
 `scale = d, zero = 8 d`, and `(h - 8) 16 d + (l - 8) d + 8 d = d (16 h + l - 128) = d q`.
-The layer reads 8 bits per weight and sums two int4 matmuls; no code is rounded.
+The layer reads 8 bits per weight; no code is rounded. The planes sit side by side along K
+in one packed weight and the input is repeated to match, so one int4 matmul sums both: in
+bf16 that rounds once, where two calls summed rounded three times (about 1.5x the error of
+a bf16 dense matmul, and 10-30% slower at 1 row; `benchmarks/quantized_decode.py`).
 """
 
 from __future__ import annotations
@@ -169,8 +172,8 @@ class Int4PlanesLinear(nn.Module):
     buffers outside the state dict: the layer is built from a GGUF, never saved.
     """
 
-    packed_weight: torch.Tensor  # [planes, ...] torch's int4 packing of each plane
-    scales_and_zeros: torch.Tensor  # [planes, in / 32, out, 2]
+    packed_weight: torch.Tensor  # torch's int4 packing of the planes side by side along K
+    scales_and_zeros: torch.Tensor  # [planes * in / 32, out, 2]
     bias: torch.Tensor | None
 
     def __init__(
@@ -181,7 +184,8 @@ class Int4PlanesLinear(nn.Module):
         label: str,
     ) -> None:
         """Args:
-        planes: one or more `(codes, scales, zeros)`, all of the same `[out, in]`.
+        planes: one or more `(codes, scales, zeros)`, all of the same `[out, in]`; the
+            weight is their sum.
         bias: `[out]` or None, added in `compute_dtype`.
         compute_dtype: the activations' dtype inside the matmul.
         label: the source format, for `repr`.
@@ -191,6 +195,7 @@ class Int4PlanesLinear(nn.Module):
         """
         super().__init__()
         self.out_features, self.in_features = planes[0][0].shape
+        self.planes = len(planes)
         if not int4_kernel_fits(self.out_features, self.in_features):
             raise QuantizedWeightError(
                 f"a [{self.out_features}, {self.in_features}] weight does not fit torch's "
@@ -198,11 +203,12 @@ class Int4PlanesLinear(nn.Module):
                 "without --quantization"
             )
         self.compute_dtype, self.label = compute_dtype, label
-        packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) for q, _, _ in planes]
-        # [planes, in / 32, out, 2]: per group and output row, (scale, zero) as the kernel
+        codes = torch.cat([q for q, _, _ in planes], dim=1)  # [out, planes * in]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        # [planes * in / 32, out, 2]: per group and output row, (scale, zero) as the kernel
         # takes them.
-        scales_zeros = torch.stack([torch.stack((s.t(), z.t()), dim=-1) for _, s, z in planes])
-        self.register_buffer("packed_weight", torch.stack(packed), persistent=False)
+        scales_zeros = torch.cat([torch.stack((s.t(), z.t()), dim=-1) for _, s, z in planes])
+        self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer(
             "scales_and_zeros", scales_zeros.to(compute_dtype).contiguous(), persistent=False
         )
@@ -213,11 +219,11 @@ class Int4PlanesLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out]
         x_c = x.to(self.compute_dtype)
-        out = _int4_mm(x_c, self.packed_weight[0], self.scales_and_zeros[0])
-        for packed, scales_zeros in zip(
-            self.packed_weight[1:], self.scales_and_zeros[1:], strict=True
-        ):
-            out += _int4_mm(x_c, packed, scales_zeros)
+        if self.planes > 1:
+            x_c = x_c.repeat(1, self.planes)  # [M, planes * in]: each plane sees the input
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x_c, self.packed_weight, QUANT_BLOCK, self.scales_and_zeros
+        )
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype)
@@ -227,10 +233,6 @@ class Int4PlanesLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.label}, compute={self.compute_dtype}"
         )
-
-
-def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, QUANT_BLOCK, scales_zeros)
 
 
 class Int4Linear(Int4PlanesLinear):
