@@ -77,6 +77,10 @@ def vllm_bin(peer: Peer) -> Path:
     return peer.root / "bin" / "vllm"
 
 
+# gcc keeps explicit -mno-* flags over what -march=native turns on.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def llama_server_peer(
     root: Path = PEERS_DIR / "llama.cpp", python: str = "python3.11", jobs: int = 2
 ) -> Peer:
@@ -119,6 +123,10 @@ def llama_server_peer(
                 "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
                 "-DGGML_NATIVE=ON",
+                # ... but no AMX tiles: where the kernel does not grant them (sandboxes, some
+                # VMs) their first instruction is a SIGILL, though the CPU lists amx_tile.
+                f"-DCMAKE_C_FLAGS={NO_AMX}",
+                f"-DCMAKE_CXX_FLAGS={NO_AMX}",
             ),
             (
                 *nice,

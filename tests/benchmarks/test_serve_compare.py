@@ -324,6 +324,10 @@ def test_llama_server_is_built_from_the_sdists_sources(script: ModuleType, tmp_p
     assert any("download --no-binary llama-cpp-python --no-deps" in s for s in flat)
     configure = next(s for s in flat if " -S " in s)
     assert f"-S {tmp_path / 'src' / 'vendor' / 'llama.cpp'}" in configure
+    # Native code but no AMX tiles: they SIGILL where the kernel does not grant them.
+    assert "-DGGML_NATIVE=ON" in configure
+    assert f"-DCMAKE_CXX_FLAGS={script.peers.NO_AMX}" in configure
+    assert f"-DCMAKE_C_FLAGS={script.peers.NO_AMX}" in configure
     assert flat[-1].startswith("nice -n 19") and flat[-1].endswith("--target llama-server -j2")
     assert peer.ready_files == (tmp_path / "build" / "bin" / "llama-server",)
 
