@@ -4,62 +4,25 @@ reference. The kernel is built once on first use (torch cpp_extension, cached by
 
 from __future__ import annotations
 
-import logging
-import threading
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from kvrelay_kernels import reference
+from kvrelay_kernels.cpu_extension import load_cpu_extension
 from kvrelay_kernels.plan import AttentionPlan, build_plan
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parent / "csrc_cpu" / "paged_decode_attention.cpp"
-_NAME = "kvrelay_cpu_attention"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the query's and the cache's alike
-_lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
+# fast-math lets GCC vectorize the exps (glibc's libmvec) and the dot reductions; the kernel
+# avoids infinities, so dropping their guarantees is safe.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
 def load_extension() -> ModuleType | None:
     """The compiled kernel, built on the first call; None where it cannot be built."""
-    with _lock:
-        if "module" not in _state:
-            _state["module"] = _build()
-        return _state["module"]
-
-
-def _build() -> ModuleType | None:
-    try:
-        from torch.utils.cpp_extension import load
-
-        if not _is_built():
-            # Said at warning level: the first build takes about 30 s; users should know why.
-            logger.warning("compiling kvrelay's CPU attention kernel (first use only, ~30 s)")
-        return load(
-            name=_NAME,
-            sources=[str(_SOURCE)],
-            # fast-math lets GCC vectorize the exps (glibc's libmvec) and the dot reductions;
-            # the kernel avoids infinities, so dropping their guarantees is safe.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler or ninja: serve with the torch reference instead
-        logger.warning("CPU attention kernel unavailable (%s); using the torch reference", exc)
-        return None
-
-
-def _is_built() -> bool:
-    """Whether torch's extension cache already holds the compiled kernel (best effort)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        folder = Path(_get_build_directory(_NAME, False))
-    except Exception:
-        return False
-    return (folder / f"{_NAME}.so").is_file()
+    return load_cpu_extension(
+        "kvrelay_cpu_attention", "paged_decode_attention.cpp", _FLAGS, "CPU attention kernel"
+    )
 
 
 def is_available() -> bool:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.cpu_features import cpu_has_native_bf16
+from kvrelay_kernels.cpu_fused import fused_ops_for
 
 # Below this many rows `linear` computes `W @ x.T`; measured crossover with `F.linear`.
 SMALL_BATCH_ROWS = 64
@@ -113,12 +114,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]. torch's fused kernel (one op instead of five); other dtypes
-        # normalize in fp32, cast back, then scale, as HF does (two roundings, like HF's).
+        # x: [T, hidden]. On the CPU one C++ call (kvrelay_kernels.cpu_fused); elsewhere
+        # torch's fused kernel in fp32; other dtypes normalize in fp32, cast back, then
+        # scale, as HF does (two roundings, like HF's).
+        fused = fused_ops_for(x)
+        if fused is not None and x.dtype == self.weight.dtype:
+            out: torch.Tensor = fused.rms_norm(x, self.weight, self.eps)
+            return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """`residual += delta` in place, then the norm of the sum (one call on the CPU)."""
+        fused = fused_ops_for(residual)
+        if fused is not None and residual.dtype == delta.dtype == self.weight.dtype:
+            out: torch.Tensor = fused.add_rms_norm(residual, delta, self.weight, self.eps)
+            return out
+        residual.add_(delta)
+        return self.forward(residual)
 
 
 class GatedMLP(nn.Module):

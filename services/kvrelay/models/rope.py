@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvrelay_kernels.cpu_fused import fused_ops_for
+
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """The `[head_dim // 2]` fp32 inverse frequencies, with the checkpoint's scaling applied.
@@ -96,6 +98,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     HF computes `x * [c, c] + [-x2, x1] * [s, s]`; writing each half straight into the output
     avoids the `cat` of `rotate_half`.
     """
+    fused = fused_ops_for(x)
+    if fused is not None and cos.dtype == x.dtype and x.stride(-1) == 1:
+        rotated: torch.Tensor = fused.rope(x, cos, sin)  # the same roundings, one call
+        return rotated
     x1, x2 = x.chunk(2, dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o1, o2 = out.chunk(2, dim=-1)

@@ -1,0 +1,63 @@
+"""Building kvrelay's CPU C++ extensions on first use (torch cpp_extension, cached by torch).
+
+One place for what every CPU extension needs: build once per process (thread-safe), say so at
+warning level when it compiles (a first build takes ~30 s), and fall back (None) where there
+is no compiler, so the torch path serves instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+CSRC_CPU = Path(__file__).parent / "csrc_cpu"
+_lock = threading.Lock()
+_built: dict[str, ModuleType | None] = {}
+
+
+def load_cpu_extension(name: str, source: str, flags: list[str], what: str) -> ModuleType | None:
+    """The extension `name` compiled from `csrc_cpu/<source>`, built on the first call.
+
+    Args:
+        name: the module's name (torch's build cache folder too).
+        source: the C++ file under `csrc_cpu`.
+        flags: extra compiler flags.
+        what: how a log line names it ("CPU attention kernel").
+
+    Returns:
+        The module, or None where it cannot be built (logged once).
+    """
+    with _lock:
+        if name not in _built:
+            _built[name] = _build(name, CSRC_CPU / source, flags, what)
+        return _built[name]
+
+
+def _build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        if not _is_built(name):
+            logger.warning("compiling kvrelay's %s (first use only, ~30 s)", what)
+        module: ModuleType = load(
+            name=name, sources=[str(source)], extra_cflags=flags, verbose=False
+        )
+        return module
+    except Exception as exc:  # no compiler or ninja: serve with the torch path instead
+        logger.warning("%s unavailable (%s); using the torch path", what, exc)
+        return None
+
+
+def _is_built(name: str) -> bool:
+    """Whether torch's extension cache already holds the compiled module (best effort)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(name, False))
+    except Exception:
+        return False
+    return (folder / f"{name}.so").is_file()

@@ -1,0 +1,34 @@
+"""A decoder layer's element-wise steps in one C++ call each on the CPU (csrc_cpu/
+fused_layer_ops.cpp): RMSNorm, the residual add fused with the norm after it, and RoPE.
+
+The models call these when `fused_ops_for` says the tensors qualify (CPU, fp32 or bf16) and the
+extension builds; otherwise they run their torch code, which these match (bit for bit in RoPE;
+norms up to the order of one fp32 sum).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvrelay_kernels.cpu_extension import load_cpu_extension
+
+# No fast-math and no FMA contraction: the results must round exactly as torch's ops do.
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def load_fused_ops() -> ModuleType | None:
+    """The compiled module, built on the first call; None where it cannot be built."""
+    return load_cpu_extension(
+        "kvrelay_cpu_fused_ops", "fused_layer_ops.cpp", _FLAGS, "fused CPU layer ops"
+    )
+
+
+def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """The fused ops when `x` (a layer's activations) can take them: None on other devices,
+    in other dtypes, or where the extension cannot be built."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+        return None
+    return load_fused_ops()

@@ -1,0 +1,183 @@
+// The element-wise steps of a decoder layer on the CPU, each in one call: RMSNorm, the
+// residual add fused with the norm after it, and RoPE. A decode step of the default model runs
+// 61 norms and 30 RoPEs of a few thousand numbers each; in torch each is four to eight
+// dispatched ops, and the dispatching cost more than the arithmetic.
+//
+// Every result is rounded where torch's own ops round (bf16 rounds after each op, as HF's
+// modules do in bf16), and this file is built without fast-math and without FMA contraction,
+// so fp32 RoPE is bit-for-bit torch's; norms differ from torch only by the order of the sum of
+// squares.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// Round a float to the storage type T (identity for float).
+template <typename T>
+inline T round_to(float x) {
+  return static_cast<T>(x);
+}
+
+template <typename T>
+inline float wide(T x) {
+  return static_cast<float>(x);
+}
+
+constexpr int64_t kRowsPerTask = 16;  // a decode step's few rows stay on one thread
+
+// 1 / sqrt(mean(x^2) + eps) of one row, in fp32 (four partial sums: any order is as exact).
+template <typename T>
+float inverse_rms(const T* x, int64_t n, float eps) {
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int64_t k = 0; k < 4; ++k) s[k] += wide(x[i + k]) * wide(x[i + k]);
+  }
+  for (; i < n; ++i) s[0] += wide(x[i]) * wide(x[i]);
+  const float mean = ((s[0] + s[1]) + (s[2] + s[3])) / static_cast<float>(n);
+  return 1.f / std::sqrt(mean + eps);
+}
+
+// One normed row. fp32: x * inv * w (F.rms_norm's order). bf16: HF's LlamaRMSNorm, the
+// normalized value rounded to bf16 before the weight multiplies it.
+template <typename T>
+void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  const float inv = inverse_rms(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = wide(round_to<T>(wide(x[i]) * inv));
+    out[i] = round_to<T>(wide(w[i]) * normed);
+  }
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, hidden], rows contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
+              "weight must be [hidden]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
+              "fp32 or bf16 only");
+}
+
+template <typename T>
+void norm_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out,
+               float eps) {
+  const int64_t n = x.size(1), stride = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * stride, wp, op + t * n, n, eps);
+  });
+}
+
+template <typename T>
+void add_norm_rows(torch::Tensor& residual, const torch::Tensor& delta,
+                   const torch::Tensor& weight, torch::Tensor& out, float eps) {
+  const int64_t n = residual.size(1), rs = residual.stride(0), ds = delta.stride(0);
+  T* hp = residual.data_ptr<T>();
+  const T* dp = delta.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, residual.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* h = hp + t * rs;
+      const T* d = dp + t * ds;
+      for (int64_t i = 0; i < n; ++i) h[i] = round_to<T>(wide(h[i]) + wide(d[i]));
+      norm_row(h, wp, op + t * n, n, eps);
+    }
+  });
+}
+
+// HF's rotate-half RoPE per head: o1 = x1 c - x2 s, o2 = x2 c + x1 s, each product rounded
+// as torch's separate ops round it.
+template <typename T>
+void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+               torch::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t ts = x.stride(0), hs = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * half;
+      const T* s = sp + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x1 = xp + t * ts + h * hs;
+        const T* x2 = x1 + half;
+        T* o1 = op + (t * heads + h) * 2 * half;
+        T* o2 = o1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = wide(round_to<T>(wide(x1[i]) * wide(c[i])));
+          const float b = wide(round_to<T>(wide(x2[i]) * wide(s[i])));
+          const float p = wide(round_to<T>(wide(x2[i]) * wide(c[i])));
+          const float q = wide(round_to<T>(wide(x1[i]) * wide(s[i])));
+          o1[i] = round_to<T>(a - b);
+          o2[i] = round_to<T>(p + q);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [rows, hidden] (rows may be strided); returns a new contiguous tensor.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == torch::kFloat) {
+    norm_rows<float>(x, weight, out, static_cast<float>(eps));
+  } else {
+    norm_rows<c10::BFloat16>(x, weight, out, static_cast<float>(eps));
+  }
+  return out;
+}
+
+// residual += delta (in place, rounded to its dtype), then returns rms_norm(residual).
+torch::Tensor add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta,
+                           const torch::Tensor& weight, double eps) {
+  check_rows(residual, weight);
+  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.stride(1) == 1 &&
+                  delta.scalar_type() == residual.scalar_type(),
+              "delta must be shaped and typed like the residual");
+  auto out = torch::empty({residual.size(0), residual.size(1)}, residual.options());
+  if (residual.scalar_type() == torch::kFloat) {
+    add_norm_rows<float>(residual, delta, weight, out, static_cast<float>(eps));
+  } else {
+    add_norm_rows<c10::BFloat16>(residual, delta, weight, out, static_cast<float>(eps));
+  }
+  return out;
+}
+
+// x: [T, heads, head_dim] (head_dim contiguous); cos, sin: [T, 1, head_dim / 2] contiguous.
+// Returns a new contiguous [T, heads, head_dim].
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x must be [T, heads, head_dim] with head_dim contiguous and even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() &&
+                  cos.numel() == x.size(0) * x.size(2) / 2,
+              "cos and sin must be contiguous [T, 1, head_dim / 2]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos, sin and x must share a dtype");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  if (x.scalar_type() == torch::kFloat) {
+    rope_rows<float>(x, cos, sin, out);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    rope_rows<c10::BFloat16>(x, cos, sin, out);
+  } else {
+    TORCH_CHECK(false, "fp32 or bf16 only");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32 or bf16)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta, then RMSNorm (CPU, fp32 or bf16)");
+  m.def("rope", &rope, "rotate-half RoPE of every head (CPU, fp32 or bf16)");
+}

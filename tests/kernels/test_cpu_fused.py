@@ -1,0 +1,112 @@
+"""The fused CPU layer ops (kvrelay_kernels.cpu_fused) against the torch code they replace:
+RoPE bit for bit, norms up to the order of one fp32 sum, the residual updated in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.models.layers import RMSNorm
+from kvrelay.models.rope import RotaryEmbedding, apply_rope
+from kvrelay_kernels.cpu_fused import fused_ops_for, load_fused_ops
+
+pytestmark = pytest.mark.skipif(
+    load_fused_ops() is None, reason="the fused CPU ops do not build here"
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch path of models.rope.apply_rope, op for op."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out
+
+
+def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch path of models.layers.RMSNorm (HF's roundings)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def assert_norm_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:  # one bf16 rounding apart at most, and rarely
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0)
+        assert (got == expected).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rope_is_torchs_bit_for_bit(dtype: torch.dtype, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    rotary = RotaryEmbedding(64, 10000.0, None, 512)
+    positions = torch.randint(0, 512, (tokens,))
+    cos, sin = rotary.cos_sin(positions, dtype)
+    # q and k as the attention takes them: a strided view of the fused qkv projection.
+    qkv = (torch.randn(tokens, (9 + 3 + 3) * 64) * 4).to(dtype)
+    qk = qkv[:, : 12 * 64].view(tokens, 12, 64)
+    assert tokens == 1 or not qk.is_contiguous()
+    got = apply_rope(qk, cos, sin)
+    assert torch.equal(got, torch_rope(qk, cos, sin))
+    assert got.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_rms_norm_matches_the_torch_path(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data.copy_(torch.randn(576) * 0.3 + 1)
+    wide = (torch.randn(rows, 2 * 576) * 3).to(dtype)
+    x = wide[:, 100 : 100 + 576]  # rows apart in memory: the op takes strided rows
+    assert_norm_close(norm.forward(x), torch_norm(x, norm.weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_and_norm_updates_the_residual_in_place(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    norm = RMSNorm(576, 1e-6).to(dtype)
+    norm.weight.data.copy_(torch.randn(576) * 0.3 + 1)
+    residual = (torch.randn(4, 576) * 2).to(dtype)
+    delta = (torch.randn(4, 576) * 2).to(dtype)
+    expected_sum = residual + delta  # torch's rounding of the add
+    before = residual.data_ptr()
+    out = norm.add_and_norm(residual, delta)
+    assert residual.data_ptr() == before and torch.equal(residual, expected_sum)
+    assert_norm_close(out, torch_norm(expected_sum, norm.weight, 1e-6))
+
+
+def test_other_devices_and_dtypes_take_the_torch_path() -> None:
+    assert fused_ops_for(torch.empty(2, 8, device="meta")) is None
+    assert fused_ops_for(torch.empty(2, 8, dtype=torch.float16)) is None
+    norm = RMSNorm(8, 1e-5).to("meta")
+    out = norm.forward(torch.empty(3, 8, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3, 8)
+    half = RMSNorm(8, 1e-5).half()
+    x = torch.randn(2, 8).half()
+    torch.testing.assert_close(half.forward(x), torch_norm(x, half.weight, 1e-5))
+
+
+def test_the_ops_refuse_what_they_cannot_read() -> None:
+    ops = load_fused_ops()
+    assert ops is not None
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="head_dim contiguous and even"):
+        ops.rope(torch.randn(2, 3, 7), torch.randn(2, 1, 3), torch.randn(2, 1, 3))
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ops.rope(
+            torch.randn(2, 3, 8).half(), torch.randn(2, 1, 4).half(), torch.randn(2, 1, 4).half()
+        )
