@@ -74,6 +74,10 @@ def bench_command(
         "--random-output-len",
         str(workload.output_len),
         "--ignore-eos",
+        # Greedy everywhere: the client no longer sends temperature 0 by itself, and each
+        # server's own default (llama-server 0.8 with top-k/top-p, ...) costs differently.
+        "--temperature",
+        "0",
         "--num-prompts",
         str(workload.num_prompts(concurrency)),
         "--max-concurrency",

@@ -189,6 +189,7 @@ def test_client_command_is_vllms_random_workload(script: ModuleType, tmp_path: P
     assert value("--max-concurrency") == "16" and value("--num-prompts") == "64"
     assert value("--tokenizer") == str(tmp_path) and value("--model") == "m"
     assert value("--seed") == "7" and "--save-result" in cmd
+    assert value("--temperature") == "0"  # the same greedy sampling on every server
     assert value("--result-filename") == "x.json"
     assert "99" in value("--metric-percentiles").split(",")  # p99_itl_ms is read back
 
