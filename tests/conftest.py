@@ -16,6 +16,9 @@ from tests.servers import ServerProcess, start_server
 # the machine. Every engine the tests start (in this process, Ray actors, servers) inherits
 # this; tests of bf16 ask for it by name.
 os.environ.setdefault("KVRELAY_CPU_AUTO_DTYPE", "float32")
+# Likewise a single-row fp32 matmul's path: measured at load (models/single_row.py), so a
+# loaded machine could pick differently in two processes; pinned to the dense one.
+os.environ.setdefault("KVRELAY_CPU_SINGLE_ROW", "dense")
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,8 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
-        # A single row: fp32 is faster through `linear` (see above), bf16 through oneDNN.
+        # A single row: bf16 is faster through oneDNN; fp32 through `linear` on some CPUs and
+        # through oneDNN on others (models/single_row.py measures it once the model is packed).
         self.single_row = weight.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

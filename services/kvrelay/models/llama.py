@@ -13,6 +13,7 @@ from kvrelay.config import ModelConfig
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, can_prepack, linear
 from kvrelay.models.rope import RotaryEmbedding, apply_rope
+from kvrelay.models.single_row import choose_single_row_paths
 from kvrelay_kernels import AttentionBackend
 
 
@@ -192,14 +193,20 @@ class CausalLM(nn.Module):
         """Move every matmul weight into oneDNN's fast layout (CPU fp32, and bf16 on CPUs with
         native bf16; a no-op elsewhere).
 
-        For inference only. Dense weights stay for single-row steps (see `Linear.prepack`);
-        with tied embeddings the vocab projection gets its own packed copy.
+        For inference only. Dense weights stay for single-row steps, which take whichever
+        path is faster on this CPU (`single_row.choose_single_row_paths`); with tied
+        embeddings the vocab projection gets its own packed copy.
         """
+        packed: list[tuple[torch.Tensor, torch.Tensor | None, PackedLinear]] = []
         for module in list(self.modules()):  # prepack adds submodules
             if isinstance(module, Linear):
                 module.prepack()
+                if module.packed is not None:
+                    packed.append((module.weight, module.bias, module.packed))
         if self.lm_head is None and can_prepack(self.embed_tokens.weight):
             self.packed_logits = PackedLinear(self.embed_tokens.weight, None)
+            packed.append((self.embed_tokens.weight, None, self.packed_logits))
+        choose_single_row_paths(packed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
