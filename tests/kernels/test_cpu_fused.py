@@ -5,35 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvrelay.models.layers import RMSNorm
-from kvrelay.models.rope import RotaryEmbedding, apply_rope
+from kvrelay.models.rope import RotaryEmbedding, apply_rope, apply_rope_with_torch_ops
 from kvrelay_kernels.cpu_fused import fused_ops_for, load_fused_ops
 
 pytestmark = pytest.mark.skipif(
     load_fused_ops() is None, reason="the fused CPU ops do not build here"
 )
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The torch path of models.rope.apply_rope, op for op."""
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=x.dtype)
-    o1, o2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=o1)
-    o1.sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2)
-    o2.add_(x1 * sin)
-    return out
-
-
-def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch path of models.layers.RMSNorm (HF's roundings)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def assert_norm_close(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -57,7 +37,7 @@ def test_rope_is_torchs_bit_for_bit(dtype: torch.dtype, tokens: int) -> None:
     qk = qkv[:, : 12 * 64].view(tokens, 12, 64)
     assert tokens == 1 or not qk.is_contiguous()
     got = apply_rope(qk, cos, sin)
-    assert torch.equal(got, torch_rope(qk, cos, sin))
+    assert torch.equal(got, apply_rope_with_torch_ops(qk, cos, sin))
     assert got.is_contiguous()
 
 
@@ -69,7 +49,7 @@ def test_rms_norm_matches_the_torch_path(dtype: torch.dtype, rows: int) -> None:
     norm.weight.data.copy_(torch.randn(576) * 0.3 + 1)
     wide = (torch.randn(rows, 2 * 576) * 3).to(dtype)
     x = wide[:, 100 : 100 + 576]  # rows apart in memory: the op takes strided rows
-    assert_norm_close(norm.forward(x), torch_norm(x, norm.weight, 1e-5))
+    assert_norm_close(norm.forward(x), norm.forward_with_torch_ops(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,7 +63,7 @@ def test_add_and_norm_updates_the_residual_in_place(dtype: torch.dtype) -> None:
     before = residual.data_ptr()
     out = norm.add_and_norm(residual, delta)
     assert residual.data_ptr() == before and torch.equal(residual, expected_sum)
-    assert_norm_close(out, torch_norm(expected_sum, norm.weight, 1e-6))
+    assert_norm_close(out, norm.forward_with_torch_ops(expected_sum))
 
 
 def test_other_devices_and_dtypes_take_the_torch_path() -> None:
@@ -94,7 +74,7 @@ def test_other_devices_and_dtypes_take_the_torch_path() -> None:
     assert out.device.type == "meta" and out.shape == (3, 8)
     half = RMSNorm(8, 1e-5).half()
     x = torch.randn(2, 8).half()
-    torch.testing.assert_close(half.forward(x), torch_norm(x, half.weight, 1e-5))
+    torch.testing.assert_close(half.forward(x), half.forward_with_torch_ops(x))
 
 
 def test_the_ops_refuse_what_they_cannot_read() -> None:

@@ -122,6 +122,10 @@ class RMSNorm(nn.Module):
         if fused is not None and x.dtype == self.weight.dtype:
             out: torch.Tensor = fused.rms_norm(x, self.weight, self.eps)
             return out
+        return self.forward_with_torch_ops(x)
+
+    def forward_with_torch_ops(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` in torch ops (any device and dtype)."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = F.rms_norm(x.float(), self.weight.shape, None, self.eps)

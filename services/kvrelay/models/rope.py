@@ -102,6 +102,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if fused is not None and cos.dtype == x.dtype and x.stride(-1) == 1:
         rotated: torch.Tensor = fused.rope(x, cos, sin)  # the same roundings, one call
         return rotated
+    return apply_rope_with_torch_ops(x, cos, sin)
+
+
+def apply_rope_with_torch_ops(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """`apply_rope` in torch ops (any device and dtype); the fused CPU op rounds as this does."""
     x1, x2 = x.chunk(2, dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o1, o2 = out.chunk(2, dim=-1)
