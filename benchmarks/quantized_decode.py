@@ -352,7 +352,7 @@ def _folder(quantization: str, args: argparse.Namespace) -> Path | None:
     return write_q8_0_twin(args.q8_0_folder) if quantization == "q8_0" else None
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--configs",
@@ -386,12 +386,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="torch threads (default: torch's); 1 keeps a shared machine's other load from "
         "stalling every parallel region (the figures in the README are --threads 1)",
     )
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    if args.layers:
-        layer_table(repeats=50)
+    return parser
+
+
+def decode_rows(args: argparse.Namespace) -> list[str]:
+    """The decode table: one row per --configs entry, printed as it is measured."""
     rows = ["| weights | activations | ms / decode step | tok/s |", "|---|---|---|---|"]
     for spec in args.configs:
         dtype, _, quantization = spec.partition(":")
@@ -402,6 +401,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(rows[-1], flush=True)
         del engine
         gc.collect()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.layers:
+        layer_table(repeats=50)
+    rows = decode_rows(args)
     for quantization in args.exact_formats if args.exact else ():
         folder = _folder(quantization, args)
         reference = build_engine("float32", "none", folder)
