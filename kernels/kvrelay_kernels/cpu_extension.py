@@ -31,6 +31,8 @@ def load_cpu_extension(name: str, source: str, flags: list[str], what: str) -> M
     Returns:
         The module, or None where it cannot be built (logged once).
     """
+    if name in _built:  # the hot path (every layer op asks): no lock once it is settled
+        return _built[name]
     with _lock:
         if name not in _built:
             _built[name] = _build(name, CSRC_CPU / source, flags, what)
