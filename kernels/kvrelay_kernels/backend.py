@@ -67,7 +67,7 @@ _TORCH = AttentionBackend(
     "torch", reference.write_kv, reference.paged_attention, reference.copy_blocks
 )
 _CPU = AttentionBackend(
-    "cpu", reference.write_kv, cpu_backend.paged_attention, reference.copy_blocks
+    "cpu", cpu_backend.write_kv, cpu_backend.paged_attention, reference.copy_blocks
 )
 _TRITON = AttentionBackend(
     "triton", triton_backend.write_kv, triton_backend.paged_attention, reference.copy_blocks

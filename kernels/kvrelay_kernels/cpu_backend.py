@@ -1,5 +1,6 @@
-"""The `cpu` backend: decode attention by kvrelay's C++ kernel, everything else by the torch
-reference. The kernel is built once on first use (torch cpp_extension, cached by torch).
+"""The `cpu` backend: KV writes and decode attention by kvrelay's C++ kernels, prefill
+attention and block copies by the torch reference. The kernels are built once on first use
+(torch cpp_extension, cached by torch).
 """
 
 from __future__ import annotations
@@ -27,6 +28,39 @@ def load_extension() -> ModuleType | None:
 
 def is_available() -> bool:
     return load_extension() is not None
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    *,
+    plan: AttentionPlan | None = None,
+) -> None:
+    """Same meaning as `reference.write_kv`: one copy per token in C++ (padding slots skipped
+    there) where the tensors qualify, the reference otherwise."""
+    module = load_extension()
+    takes = (
+        module is not None
+        and kv_cache.device.type == "cpu"
+        and key.dtype == value.dtype == kv_cache.dtype
+        and slot_mapping.dtype == torch.int64
+    )
+    if not takes:
+        reference.write_kv(key, value, kv_cache, layer, slot_mapping, plan=plan)
+        return
+    assert module is not None
+    module.write_kv(_heads_contiguous(key), _heads_contiguous(value), kv_cache, layer, slot_mapping)
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` [T, heads, dim] as the kernel reads it: each token's heads one after another (rows
+    may be strided, e.g. keys viewed in a fused QKV projection's output; no copy then)."""
+    if x.stride(2) == 1 and x.stride(1) == x.size(2):
+        return x
+    return x.contiguous()
 
 
 def paged_attention(

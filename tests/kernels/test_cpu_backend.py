@@ -22,7 +22,10 @@ pytestmark = pytest.mark.skipif(
     ],
 )
 @pytest.mark.parametrize(
-    ("block_size", "kv_heads", "group", "dim"), [(4, 2, 3, 8), (16, 3, 3, 64), (16, 1, 8, 20)]
+    ("block_size", "kv_heads", "group", "dim"),
+    # blocks under, at and over the kernel's 16-key tile; groups over its 4-head tile;
+    # head dims under and between its 16 lanes
+    [(4, 2, 3, 8), (16, 3, 3, 64), (16, 1, 8, 20), (32, 2, 5, 48)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_the_reference(
@@ -55,6 +58,54 @@ def test_cpu_backend_matches_the_reference(
                 query.float(), kv_cache.float(), layer, tables, lens, qsl, 0.3, plan=plan
             )
             torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=2**-7)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_kv_heads_split_or_together_give_the_same_output(threads: int) -> None:
+    """With fewer sequences than threads each KV head is a work item of its own; with more, a
+    sequence's heads are read in one pass. Both are held to the reference."""
+    batch = make_paged_batch([70, 3], [1, 1], 16, 3, 3, 64, num_layers=2, seed=threads)
+    tables, lens, qsl = batch.block_tables, batch.seq_lens, batch.query_start_loc
+    plan = build_plan(tables, lens, qsl, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_backend.paged_attention(
+            batch.query, batch.kv_cache, 1, tables, lens, qsl, 0.125, plan=plan
+        )
+    finally:
+        torch.set_num_threads(before)
+    expected = reference.paged_attention(
+        batch.query, batch.kv_cache, 1, tables, lens, qsl, 0.125, plan=plan
+    )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fills_the_same_slots_as_the_reference(dtype: torch.dtype) -> None:
+    """Keys viewed with strided rows (as out of a fused QKV output), padding slots skipped,
+    other layers and slots untouched."""
+    torch.manual_seed(0)
+    kv_heads, dim, block_size = 3, 8, 4
+    fused = torch.randn(6, 3 * kv_heads * dim).to(dtype)
+    key = fused[:, : kv_heads * dim].view(6, kv_heads, dim)
+    value = fused[:, kv_heads * dim : 2 * kv_heads * dim].view(6, kv_heads, dim)
+    assert key.stride(0) != kv_heads * dim  # the strided-rows case the kernel reads in place
+    slots = torch.tensor([5, -1, 0, 13, -1, 7])
+    ours = torch.randn(4, 2, 2, block_size, kv_heads, dim).to(dtype)
+    theirs = ours.clone()
+    cpu_backend.write_kv(key, value, ours, 1, slots)
+    reference.write_kv(key, value, theirs, 1, slots)
+    assert torch.equal(ours, theirs)
+
+
+def test_write_kv_refuses_a_slot_past_the_cache() -> None:
+    cache = torch.zeros(2, 1, 2, 4, 1, 8)
+    before = cache.clone()
+    key = torch.ones(1, 1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_backend.write_kv(key, key, cache, 0, torch.tensor([8]))
+    assert torch.equal(cache, before)
 
 
 def test_bf16_decode_rows_run_in_the_kernel() -> None:

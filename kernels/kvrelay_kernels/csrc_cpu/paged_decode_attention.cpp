@@ -1,3 +1,6 @@
+// The paged KV cache's CPU kernels: writing new keys and values into their slots (at the end),
+// and decode attention.
+//
 // Paged decode attention on the CPU: one query token per sequence, read straight from the
 // block-major KV cache [num_blocks, num_layers, 2, block_size, kv_heads, head_dim], fp32 or
 // bf16 (the math is fp32 in both: bf16 keys and values are widened as they are read).
@@ -78,116 +81,207 @@ struct Shape {
   int64_t token_stride, kv_stride, block_stride, layer_offset;
 };
 
-// Scores of one block's `count` keys for every query head of the group, into probs[g][j]:
-// the head_dim is walked 16 lanes at a time with one accumulator per query head (up to
-// kGroupTile), so a key is loaded once per tile and reduced once per head.
-template <typename T>
-void score_block(const Shape& s, const float* qf, const T* keys, int64_t count, float scale,
-                 float* probs) {
+// Keys are scored 16 at a time. Each key's dot product with a query head is first a vector
+// of 16 partial sums; 16 such vectors are then summed lane-wise as a tree of shuffles (15
+// merges, each two permutes and an add) into one vector holding the 16 scores: about three
+// operations per key where a horizontal sum per key cost ten. A key's partials go to slot
+// bit_reversed(j) so that the tree's output lanes come out in key order.
+constexpr int64_t kTile = 16;
+constexpr int kBitReversed[kTile] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// One level of the tree: a and b hold partial sums in segments of `W` lanes; the result
+// holds a's and b's segments of W/2 lanes side by side, each the sum of a segment's halves.
+template <int W>
+inline vfloat merge(vfloat a, vfloat b) {
+  vword lo, hi;
+  for (int s = 0, i = 0; s < kTile / W; ++s) {
+    for (int k = 0; k < W / 2; ++k, ++i) {
+      lo[i] = s * W + k;
+      hi[i] = s * W + W / 2 + k;
+      lo[i + W / 2] = kTile + s * W + k;
+      hi[i + W / 2] = kTile + s * W + W / 2 + k;
+    }
+    i += W / 2;
+  }
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// The lane-wise sums of 16 vectors (part[i] at slot i): lane i of the result sums part[i].
+inline vfloat sum_lanes(const float* part) {
+  vfloat l8[8], l4[4], l2[2];
+  for (int i = 0; i < 8; ++i) l8[i] = merge<16>(load(part + 2 * i * kTile), load(part + (2 * i + 1) * kTile));
+  for (int i = 0; i < 4; ++i) l4[i] = merge<8>(l8[2 * i], l8[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) l2[i] = merge<4>(l4[2 * i], l4[2 * i + 1]);
+  return merge<2>(l2[0], l2[1]);
+}
+
+// Scores of up to 16 keys (`count`) for `TILE` query heads from g0, into scores[g * kTile + j],
+// scaled: one accumulator vector per query head, so a key is loaded once for the tile. TILE
+// is a compile-time count so that the accumulators stay in registers.
+template <typename T, int TILE>
+void score_heads(const Shape& s, const float* qf, const T* keys, int64_t count, float scale,
+                 int64_t g0, float* part, float* scores) {
   const int64_t head_dim = s.head_dim, chunks = head_dim / kLanes;
-  for (int64_t j = 0; j < count; ++j) {
-    const T* kj = keys + j * s.token_stride;
-    for (int64_t g0 = 0; g0 < s.group; g0 += kGroupTile) {
-      const int64_t tile = std::min(kGroupTile, s.group - g0);
-      vfloat acc[kGroupTile] = {};
+  for (int64_t j = 0; j < kTile; ++j) {
+    vfloat acc[TILE] = {};
+    if (j < count) {
+      const T* kj = keys + j * s.token_stride;
       for (int64_t c = 0; c < chunks; ++c) {
         const vfloat k = load(kj + c * kLanes);
-        for (int64_t g = 0; g < tile; ++g) acc[g] += load(qf + (g0 + g) * head_dim + c * kLanes) * k;
+        for (int g = 0; g < TILE; ++g) acc[g] += load(qf + (g0 + g) * head_dim + c * kLanes) * k;
       }
-      for (int64_t g = 0; g < tile; ++g) {
-        const float* qg = qf + (g0 + g) * head_dim;
-        float sum = hsum(acc[g]);
-        for (int64_t d = chunks * kLanes; d < head_dim; ++d) sum += qg[d] * widen(kj[d]);
-        probs[(g0 + g) * s.block_size + j] = sum * scale;
-      }
+      for (int64_t d = chunks * kLanes; d < head_dim; ++d)
+        for (int g = 0; g < TILE; ++g) acc[g][0] += qf[(g0 + g) * head_dim + d] * widen(kj[d]);
+    }
+    for (int g = 0; g < TILE; ++g) store(part + (g * kTile + kBitReversed[j]) * kTile, acc[g]);
+  }
+  for (int g = 0; g < TILE; ++g)
+    store(scores + (g0 + g) * kTile, sum_lanes(part + g * kTile * kTile) * scale);
+}
+
+// acc[g] += sum_j probs[g][j] * value_j over `count` keys for `TILE` query heads from g0:
+// each value chunk is loaded once and added into every head's accumulator (in registers).
+template <typename T, int TILE>
+void accumulate_heads(const Shape& s, const float* probs, const T* values, int64_t count,
+                      int64_t g0, float* acc) {
+  const int64_t head_dim = s.head_dim, chunks = head_dim / kLanes;
+  for (int64_t c = 0; c < chunks; ++c) {
+    vfloat a[TILE];
+    for (int g = 0; g < TILE; ++g) a[g] = load(acc + (g0 + g) * head_dim + c * kLanes);
+    for (int64_t j = 0; j < count; ++j) {
+      const vfloat v = load(values + j * s.token_stride + c * kLanes);
+      for (int g = 0; g < TILE; ++g) a[g] += probs[(g0 + g) * kTile + j] * v;
+    }
+    for (int g = 0; g < TILE; ++g) store(acc + (g0 + g) * head_dim + c * kLanes, a[g]);
+  }
+  for (int64_t d = chunks * kLanes; d < head_dim; ++d) {
+    for (int64_t g = g0; g < g0 + TILE; ++g) {
+      float a = acc[g * head_dim + d];
+      for (int64_t j = 0; j < count; ++j) a += probs[g * kTile + j] * widen(values[j * s.token_stride + d]);
+      acc[g * head_dim + d] = a;
     }
   }
 }
 
-// acc[g] += sum_j probs[g][j] * value_j over one block: 16 lanes of the accumulator stay in a
-// register while the block's values stream past.
+// A tile's scores and its value accumulation for every query head of the group, in head
+// tiles of up to kGroupTile (each a compile-time width).
+template <typename T>
+void score_tile(const Shape& s, const float* qf, const T* keys, int64_t count, float scale,
+                float* part, float* scores) {
+  for (int64_t g0 = 0; g0 < s.group; g0 += kGroupTile) {
+    switch (std::min(kGroupTile, s.group - g0)) {
+      case 1: score_heads<T, 1>(s, qf, keys, count, scale, g0, part, scores); break;
+      case 2: score_heads<T, 2>(s, qf, keys, count, scale, g0, part, scores); break;
+      case 3: score_heads<T, 3>(s, qf, keys, count, scale, g0, part, scores); break;
+      default: score_heads<T, 4>(s, qf, keys, count, scale, g0, part, scores); break;
+    }
+  }
+}
+
 template <typename T>
 void accumulate_values(const Shape& s, const float* probs, const T* values, int64_t count,
                        float* acc) {
-  const int64_t head_dim = s.head_dim, chunks = head_dim / kLanes;
-  for (int64_t g = 0; g < s.group; ++g) {
-    const float* pg = probs + g * s.block_size;
-    float* ag = acc + g * head_dim;
-    for (int64_t c = 0; c < chunks; ++c) {
-      vfloat a = load(ag + c * kLanes);
-      for (int64_t j = 0; j < count; ++j) a += pg[j] * load(values + j * s.token_stride + c * kLanes);
-      store(ag + c * kLanes, a);
-    }
-    for (int64_t d = chunks * kLanes; d < head_dim; ++d) {
-      float a = ag[d];
-      for (int64_t j = 0; j < count; ++j) a += pg[j] * widen(values[j * s.token_stride + d]);
-      ag[d] = a;
+  for (int64_t g0 = 0; g0 < s.group; g0 += kGroupTile) {
+    switch (std::min(kGroupTile, s.group - g0)) {
+      case 1: accumulate_heads<T, 1>(s, probs, values, count, g0, acc); break;
+      case 2: accumulate_heads<T, 2>(s, probs, values, count, g0, acc); break;
+      case 3: accumulate_heads<T, 3>(s, probs, values, count, g0, acc); break;
+      default: accumulate_heads<T, 4>(s, probs, values, count, g0, acc); break;
     }
   }
 }
 
-// Prefetch the `count` keys and values of one KV head in a block (a cache line at a time).
+// Prefetch a block's keys and values of the heads [h0, h0 + heads), `count` tokens (a cache
+// line at a time; with every head of a token taken, the span is contiguous).
 template <typename T>
-void prefetch_block(const Shape& s, const T* keys, int64_t count) {
+void prefetch_block(const Shape& s, const T* block, int64_t h0, int64_t heads, int64_t count) {
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t j = 0; j < count; ++j) {
-    for (int64_t d = 0; d < s.head_dim; d += kLine) {
-      __builtin_prefetch(keys + j * s.token_stride + d);
-      __builtin_prefetch(keys + s.kv_stride + j * s.token_stride + d);
+    const T* first = block + j * s.token_stride + h0 * s.head_dim;
+    for (int64_t d = 0; d < heads * s.head_dim; d += kLine) {
+      __builtin_prefetch(first + d);
+      __builtin_prefetch(first + s.kv_stride + d);
     }
   }
 }
 
-// One (sequence, KV head): the attention of its `group` query heads over the sequence's keys,
-// one block at a time with an online softmax (one rescale per block, not per token).
+// Online softmax over one tile of scores (`n` of them per query head): each head's running max
+// and sum take the tile in, its accumulator is rescaled once, and the scores become weights.
+inline void softmax_update(const Shape& s, float* probs, int64_t n, float* m, float* l,
+                           float* acc) {
+  for (int64_t g = 0; g < s.group; ++g) {
+    float* pg = probs + g * kTile;
+    float tile_max = kNoScore;
+    for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, pg[j]);
+    const float new_max = std::max(m[g], tile_max);
+    const float rescale = std::exp(m[g] - new_max);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      pg[j] = std::exp(pg[j] - new_max);
+      sum += pg[j];
+    }
+    l[g] = l[g] * rescale + sum;
+    m[g] = new_max;
+    if (rescale != 1.f) {
+      float* ag = acc + g * s.head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < s.head_dim; ++d) ag[d] *= rescale;
+    }
+  }
+}
+
+// One thread's working memory, reused over its items.
+struct Scratch {
+  explicit Scratch(const Shape& s)
+      : qf(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), m(s.num_heads),
+        l(s.num_heads), probs(s.group * kTile), part(kGroupTile * kTile * kTile) {}
+  std::vector<float> qf, acc, m, l;  // per query head of the item's KV heads
+  std::vector<float> probs;  // [group][kTile] scores, then softmax weights, of one tile
+  std::vector<float> part;   // [kGroupTile][kTile][kTile] partial sums of a tile's scores
+};
+
+// One sequence's KV heads [h0, h0 + heads): the attention of their query heads over the
+// sequence's keys, block by block (each block's keys and values of those heads read in one
+// pass, contiguous when every head is taken), 16 keys at a time with an online softmax.
 template <typename T>
-void attend(const Shape& s, int64_t seq, int64_t h, const T* q, const T* cache,
-            const int64_t* tables, int64_t context, float scale, T* out, std::vector<float>& qf,
-            std::vector<float>& acc, std::vector<float>& m, std::vector<float>& l,
-            std::vector<float>& probs) {
+void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, const T* cache,
+            const int64_t* tables, int64_t context, float scale, T* out, Scratch& w) {
   const int64_t group = s.group, head_dim = s.head_dim, block_size = s.block_size;
-  const T* qh = q + (seq * s.num_heads + h * group) * head_dim;
-  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = widen(qh[i]);
-  std::fill(acc.begin(), acc.end(), 0.f);
-  std::fill(m.begin(), m.end(), kNoScore);
-  std::fill(l.begin(), l.end(), 0.f);
+  const int64_t width = heads * group * head_dim;  // the item's query heads, one after another
+  const T* qh = q + (seq * s.num_heads + h0 * group) * head_dim;
+  for (int64_t i = 0; i < width; ++i) w.qf[i] = widen(qh[i]);
+  std::fill(w.acc.begin(), w.acc.begin() + width, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + heads * group, kNoScore);
+  std::fill(w.l.begin(), w.l.begin() + heads * group, 0.f);
   for (int64_t start = 0; start < context; start += block_size) {
     const int64_t count = std::min(block_size, context - start);
-    const int64_t block = tables[seq * s.max_blocks + start / block_size];
-    const T* keys = cache + block * s.block_stride + s.layer_offset + h * head_dim;
+    const T* block = cache + tables[seq * s.max_blocks + start / block_size] * s.block_stride +
+                     s.layer_offset;
     if (start + block_size < context) {
       // Blocks lie anywhere in the cache, so the hardware prefetcher loses the thread at every
       // block: ask for the next one's keys and values while this one is computed.
       const int64_t next = tables[seq * s.max_blocks + start / block_size + 1];
-      prefetch_block(s, cache + next * s.block_stride + s.layer_offset + h * head_dim,
+      prefetch_block(s, cache + next * s.block_stride + s.layer_offset, h0, heads,
                      std::min(block_size, context - start - block_size));
     }
-    score_block(s, qf.data(), keys, count, scale, probs.data());
-    for (int64_t g = 0; g < group; ++g) {
-      float* pg = probs.data() + g * block_size;
-      float block_max = kNoScore;
-      for (int64_t j = 0; j < count; ++j) block_max = std::max(block_max, pg[j]);
-      const float new_max = std::max(m[g], block_max);
-      const float rescale = std::exp(m[g] - new_max);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < count; ++j) {
-        pg[j] = std::exp(pg[j] - new_max);
-        sum += pg[j];
+    for (int64_t i = 0; i < heads; ++i) {
+      const int64_t off = i * group;  // the first query head of KV head h0 + i, in the item
+      for (int64_t j0 = 0; j0 < count; j0 += kTile) {
+        const int64_t n = std::min(kTile, count - j0);
+        const T* keys = block + j0 * s.token_stride + (h0 + i) * head_dim;
+        float* acc = w.acc.data() + off * head_dim;
+        score_tile(s, w.qf.data() + off * head_dim, keys, n, scale, w.part.data(), w.probs.data());
+        softmax_update(s, w.probs.data(), n, w.m.data() + off, w.l.data() + off, acc);
+        accumulate_values(s, w.probs.data(), keys + s.kv_stride, n, acc);
       }
-      l[g] = l[g] * rescale + sum;
-      m[g] = new_max;
-      float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
     }
-    accumulate_values(s, probs.data(), keys + s.kv_stride, count, acc.data());
   }
-  T* oh = out + (seq * s.num_heads + h * group) * head_dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+  T* oh = out + (seq * s.num_heads + h0 * group) * head_dim;
+  for (int64_t g = 0; g < heads * group; ++g) {
+    const float inv = w.l[g] > 0.f ? 1.f / w.l[g] : 0.f;
     for (int64_t d = 0; d < head_dim; ++d)
-      oh[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
+      oh[g * head_dim + d] = static_cast<T>(w.acc[g * head_dim + d] * inv);
   }
 }
 
@@ -199,15 +293,17 @@ void run(const Shape& s, const torch::Tensor& q, const torch::Tensor& kv_cache,
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, s.num_seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t width = s.group * s.head_dim;
-    std::vector<float> qf(width), acc(width), m(s.group), l(s.group);
-    std::vector<float> probs(s.group * s.block_size);
+  // A sequence's KV heads are read together (one pass over each block) unless there are too
+  // few sequences to keep every thread busy; then each KV head is an item of its own.
+  const int64_t heads = s.num_seqs >= at::get_num_threads() ? s.kv_heads : 1;
+  const int64_t per_seq = s.kv_heads / heads;
+  at::parallel_for(0, s.num_seqs * per_seq, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(s);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t seq = item / per_seq, h0 = (item % per_seq) * heads;
       const int64_t context = lp[seq];
       TORCH_CHECK(context <= s.max_blocks * s.block_size, "seq_len beyond its block table");
-      attend(s, seq, h, qp, cache, tp, context, scale, op, qf, acc, m, l, probs);
+      attend(s, seq, h0, heads, qp, cache, tp, context, scale, op, scratch);
     }
   });
 }
@@ -255,7 +351,48 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// key, value: [T, kv_heads, head_dim], each token's heads contiguous; slot_mapping: [T] int64,
+// negative for a padding token that owns no slot. Writes token t's key and value into its
+// slot of `layer` (one copy of kv_heads * head_dim elements each), in the cache's dtype.
+// torch's indexed assignment does the same in about ten dispatched ops per layer.
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+              int64_t layer, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache 6-D block-major");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "write_kv: key, value and cache must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  const int64_t tokens = key.size(0), block_size = kv_cache.size(3);
+  const int64_t width = kv_cache.size(4) * kv_cache.size(5);  // kv_heads * head_dim
+  TORCH_CHECK(key.numel() == tokens * width && value.numel() == tokens * width &&
+                  slot_mapping.numel() == tokens,
+              "write_kv: key/value [T, kv_heads, head_dim] and slot_mapping [T] disagree");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "write_kv: each token's heads must be contiguous");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  const int64_t slots = kv_cache.size(0) * block_size;
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] < slots, "write_kv: slot out of range");
+  const int64_t elem = kv_cache.element_size();
+  const int64_t kv_stride = block_size * width;  // K -> V of one layer
+  const int64_t block_stride = kv_cache.size(1) * 2 * kv_stride;
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t k_row = key.stride(0) * elem, v_row = value.stride(0) * elem;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (sp[t] < 0) continue;
+    const int64_t block = sp[t] / block_size, offset = sp[t] % block_size;
+    char* dst = cache + (block * block_stride + layer * 2 * kv_stride + offset * width) * elem;
+    std::memcpy(dst, kp + t * k_row, width * elem);
+    std::memcpy(dst + kv_stride * elem, vp + t * v_row, width * elem);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the block-major paged KV cache (CPU, fp32 or bf16)");
+  m.def("write_kv", &write_kv, "new keys and values into their slots of one layer (CPU)");
 }
