@@ -3,6 +3,11 @@
 One place for what every CPU extension needs: build once per process (thread-safe), say so at
 warning level when it compiles (a first build takes ~30 s), and fall back (None) where there
 is no compiler, so the torch path serves instead.
+
+The extensions are built with `-march=native`, and torch's build cache is keyed on sources and
+flags only: a home folder shared by machines with different CPUs (AVX-512 one day, AVX2 the
+next) would load a build whose instructions the CPU lacks and die on SIGILL. So each build's
+name carries a tag of the CPU's feature flags (`build_name`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import logging
 import threading
 from pathlib import Path
 from types import ModuleType
+
+from kvrelay_kernels.cpu_flags import cpu_flags, flags_tag
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +42,14 @@ def load_cpu_extension(name: str, source: str, flags: list[str], what: str) -> M
         return _built[name]
     with _lock:
         if name not in _built:
-            _built[name] = _build(name, CSRC_CPU / source, flags, what)
+            _built[name] = _build(build_name(name), CSRC_CPU / source, flags, what)
         return _built[name]
+
+
+def build_name(name: str, flags: frozenset[str] | None = None) -> str:
+    """The module and build-cache name of extension `name` on a CPU with `flags` (this one's
+    when None): one build per instruction-set combination."""
+    return f"{name}_{flags_tag(cpu_flags() if flags is None else flags)}"
 
 
 def _build(name: str, source: Path, flags: list[str], what: str) -> ModuleType | None:

@@ -7,33 +7,16 @@ CPU's name.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
+
+from kvrelay_kernels.cpu_flags import cpu_flags
+
+__all__ = ["cpu_flags", "cpu_has_native_bf16", "has_native_bf16_flags"]
 
 # x86: AVX512-BF16 (Cooper Lake, Zen 4 on) and AMX-BF16 (Sapphire Rapids on) compute bf16
 # dot products in hardware. Arm: the BF16 extension (Armv8.6) shows up as `bf16`.
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-_CPUINFO = Path("/proc/cpuinfo")
-
-
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The CPU's feature flags (`flags` on x86, `Features` on Arm); empty where unknown.
-
-    Args:
-        cpuinfo: the text of /proc/cpuinfo; read from the system when None.
-    """
-    if cpuinfo is None:
-        try:
-            cpuinfo = _CPUINFO.read_text()
-        except OSError:  # not Linux, or /proc hidden: no flags known
-            return frozenset()
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
-    return frozenset(flags)
 
 
 def has_native_bf16_flags(flags: frozenset[str]) -> bool:
