@@ -9,8 +9,9 @@
 // at decode that doubles the memory traffic of a memory-bound operation, and attention became
 // the larger half of a 48-sequence step at 400 tokens of context. This kernel reads each key
 // and value once, where it lies, with an online softmax (running max and sum), for all the
-// query heads that share a KV head (GQA) in one pass. Work is split over (sequence, KV head)
-// with torch's own thread pool.
+// query heads that share a KV head (GQA) in one pass. Work is split over sequences (all their
+// KV heads in one pass per block), or over (sequence, KV head) when there are fewer sequences
+// than threads, with torch's own thread pool.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
