@@ -1,9 +1,10 @@
 """A decoder layer's element-wise steps in one C++ call each on the CPU (csrc_cpu/
-fused_layer_ops.cpp): RMSNorm, the residual add fused with the norm after it, and RoPE.
+fused_layer_ops.cpp): RMSNorm, the residual add fused with the norm after it, RoPE, and the
+MLP's SiLU-and-multiply.
 
 The models call these when `fused_ops_for` says the tensors qualify (CPU, fp32 or bf16) and the
-extension builds; otherwise they run their torch code, which these match (bit for bit in RoPE;
-norms up to the order of one fp32 sum).
+extension builds; otherwise they run their torch code, which these match (bit for bit in RoPE
+and SiLU-and-multiply; norms up to the order of one fp32 sum).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The fused CPU layer ops (kvrelay_kernels.cpu_fused) against the torch code they replace:
-RoPE bit for bit, norms up to the order of one fp32 sum, the residual updated in place."""
+RoPE and SiLU-and-multiply bit for bit, norms up to the order of one fp32 sum, the residual
+updated in place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvrelay.models.layers import RMSNorm
+from kvrelay.models.layers import GatedMLP, RMSNorm
 from kvrelay.models.rope import RotaryEmbedding, apply_rope, apply_rope_with_torch_ops
 from kvrelay_kernels.cpu_fused import fused_ops_for, load_fused_ops
 
@@ -90,3 +91,63 @@ def test_the_ops_refuse_what_they_cannot_read() -> None:
         ops.rope(
             torch.randn(2, 3, 8).half(), torch.randn(2, 1, 4).half(), torch.randn(2, 1, 4).half()
         )
+    with pytest.raises(RuntimeError, match=r"\[rows, 2 \* n\]"):
+        ops.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match=r"\[rows, 2 \* n\]"):
+        ops.silu_and_mul(torch.randn(8, 2).t())
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ops.silu_and_mul(torch.randn(2, 8).half())
+
+
+SILU_SHAPES = [(1, 1536), (16, 1536), (40, 37), (3, 5), (2, 100)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "intermediate"), SILU_SHAPES)
+def test_silu_and_mul_is_torchs_bit_for_bit(
+    dtype: torch.dtype, rows: int, intermediate: int
+) -> None:
+    # 37, 5 and 100 leave tails after the vector loop (torch's scalar exp there); 40 rows
+    # split over threads.
+    torch.manual_seed(rows + intermediate)
+    mlp = GatedMLP(8, intermediate)
+    gate_up = (torch.randn(rows, 2 * intermediate) * 4).to(dtype)
+    got = fused_silu_and_mul(gate_up)
+    assert got.shape == (rows, intermediate) and got.is_contiguous()
+    assert torch.equal(got, mlp.silu_and_mul_with_torch_ops(gate_up.clone()))
+
+
+def test_silu_and_mul_of_every_bf16_gate_is_torchs() -> None:
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    gates = bits.view(torch.bfloat16)
+    gates = gates[torch.isfinite(gates)]
+    gates = gates[: gates.numel() // 64 * 64].view(-1, 64)  # every finite bf16 value
+    up = (torch.randn(gates.shape) * 3).to(torch.bfloat16)
+    gate_up = torch.cat((gates, up), dim=1)
+    expected = GatedMLP(8, 64).silu_and_mul_with_torch_ops(gate_up)
+    assert torch.equal(fused_silu_and_mul(gate_up).view(torch.int16), expected.view(torch.int16))
+
+
+def test_silu_and_mul_reads_strided_rows() -> None:
+    wide = torch.randn(6, 3 * 16)
+    gate_up = wide[:, 8 : 8 + 32]  # rows 48 apart in memory
+    expected = GatedMLP(8, 16).silu_and_mul_with_torch_ops(gate_up)
+    assert torch.equal(fused_silu_and_mul(gate_up), expected)
+
+
+def test_the_mlp_takes_the_fused_op_on_the_cpu_and_torch_ops_elsewhere() -> None:
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 48)
+    x = torch.randn(5, 32)
+    gate_up = mlp.gate_up_proj.forward(x)
+    expected = mlp.down_proj.forward(mlp.silu_and_mul_with_torch_ops(gate_up))
+    assert torch.equal(mlp.forward(x), expected)
+    meta = GatedMLP(32, 48).to("meta")
+    assert meta.forward(torch.empty(5, 32, device="meta")).shape == (5, 32)
+
+
+def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    ops = load_fused_ops()
+    assert ops is not None
+    out: torch.Tensor = ops.silu_and_mul(gate_up)
+    return out

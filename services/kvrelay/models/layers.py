@@ -155,7 +155,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # [T, 2 * intermediate]
+        fused = fused_ops_for(gate_up)
+        if fused is not None:  # one C++ call on the CPU, bit for bit the torch code below
+            return self.down_proj.forward(fused.silu_and_mul(gate_up))
+        return self.down_proj.forward(self.silu_and_mul_with_torch_ops(gate_up))
+
+    def silu_and_mul_with_torch_ops(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of `[T, 2 * intermediate]` in torch ops (any device and dtype)."""
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = F.silu(gate)  # the one new buffer; the product is done in place
-        h.mul_(up)
-        return self.down_proj.forward(h)  # [T, hidden]
+        return h.mul_(up)
