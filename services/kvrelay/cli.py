@@ -125,6 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat with a running server (e.g. http://127.0.0.1:8000) instead of loading the "
         "model here; its API key comes from KVRELAY_API_KEY",
     )
+    chat.add_argument(
+        "--ca-certs",
+        default=None,
+        metavar="PEM",
+        help="with an https --url: the CA bundle the server's certificate must chain to "
+        "(default: the system's)",
+    )
+    chat.add_argument(
+        "--client-cert",
+        default=None,
+        metavar="PEM",
+        help="with an https --url: a client certificate, for a server started with "
+        "--ssl-ca-certs (mTLS); needs --client-key",
+    )
+    chat.add_argument("--client-key", default=None, metavar="PEM", help="--client-cert's key")
     # A small model repeats itself under greedy decoding: chat samples by default.
     _add_sampling_args(chat, max_tokens=512, temperature=0.7, top_p=0.9)
     EngineArgs.add_cli_args(chat)
@@ -171,9 +186,11 @@ def _chat_streamer(ns: argparse.Namespace) -> Callable[[list[dict[str, str]]], I
     """history -> the reply's text deltas: from a model loaded here, or a server at --url."""
     params = _sampling_params(ns)
     if ns.url:
-        from kvrelay.remote_chat import RemoteChat
+        from kvrelay.remote_chat import RemoteChat, https_context
 
-        return RemoteChat(ns.url, params).stream
+        tls = ns.ca_certs or ns.client_cert or ns.client_key
+        context = https_context(ns.ca_certs, ns.client_cert, ns.client_key) if tls else None
+        return RemoteChat(ns.url, params, ssl_context=context).stream
     from kvrelay.llm import LLM
 
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -13,11 +14,41 @@ from typing import Any
 from kvrelay.engine.sampling import SamplingParams
 
 
+def https_context(
+    ca_certs: str | None = None, client_cert: str | None = None, client_key: str | None = None
+) -> ssl.SSLContext:
+    """What an https server is checked against and shown: `ca_certs` is the bundle its
+    certificate must chain to (None: the system's roots); `client_cert` and `client_key` (both
+    or neither) are presented to a server that requires client certificates (mTLS).
+
+    Raises:
+        ValueError: only one of client_cert / client_key, or a file that is not a readable PEM.
+    """
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("--client-cert and --client-key go together (a certificate and its key)")
+    try:
+        context = ssl.create_default_context(cafile=ca_certs)
+        if client_cert is not None:
+            context.load_cert_chain(client_cert, client_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot use the TLS files: {exc}") from None
+    return context
+
+
 class RemoteChat:
-    def __init__(self, url: str, params: SamplingParams, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        params: SamplingParams,
+        api_key: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        """`ssl_context` (from `https_context`) for an https `url` whose certificate the system
+        does not trust, or that asks for a client certificate; None: the defaults."""
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.params = params
         self.api_key = api_key or os.environ.get("KVRELAY_API_KEY")
+        self.ssl_context = ssl_context
 
     def _body(self, history: list[dict[str, str]]) -> dict[str, Any]:
         p = self.params
@@ -48,7 +79,7 @@ class RemoteChat:
         data = json.dumps(self._body(history)).encode()
         request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
         try:
-            response = urllib.request.urlopen(request, timeout=600)
+            response = urllib.request.urlopen(request, timeout=600, context=self.ssl_context)
         except urllib.error.HTTPError as exc:
             detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
             raise ValueError(f"the server refused the request ({exc.code}): {detail}") from exc

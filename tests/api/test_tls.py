@@ -26,9 +26,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvrelay.api.auth import AuthenticationError, check_api_key
 from kvrelay.api.http_app import create_http_app
 from kvrelay.api.server import ServerConfig
+from kvrelay.cli import _chat_streamer, build_parser
 from kvrelay.cli_serve import _server_config, add_server_args
 from kvrelay.client import AsyncClient, Client, UnavailableError
 from kvrelay.client.options import build_options, tls_credentials
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.remote_chat import RemoteChat, https_context
 from kvrelay.v1 import generation_pb2 as pb
 from kvrelay.v1 import generation_pb2_grpc as pb_grpc
 from tests.pki import make_ca as _make_ca
@@ -235,6 +238,30 @@ def test_sdk_clients_over_mtls(tls_server: ServerProcess, pki: Path) -> None:
         no_cert.models()
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_kvrelay_chat_over_mtls(
+    tls_server: ServerProcess, pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVRELAY_API_KEY", KEY)
+    history = [{"role": "user", "content": "Say hi."}]
+    ns = build_parser().parse_args(
+        ["chat", "--url", tls_server.http_url, "--max-tokens", "4", "--temperature", "0",
+         "--ca-certs", str(pki / "ca.pem"),
+         "--client-cert", str(pki / "client.pem"), "--client-key", str(pki / "client.key")]
+    )  # fmt: skip
+    assert "".join(_chat_streamer(ns)(history))  # the CLI's own flags, end to end
+    params = SamplingParams(temperature=0, max_tokens=4)
+    no_cert = RemoteChat(
+        tls_server.http_url, params, ssl_context=https_context(str(pki / "ca.pem"))
+    )
+    with pytest.raises(ValueError, match="cannot reach"):
+        list(no_cert.stream(history))
+    untrusted = RemoteChat(tls_server.http_url, params)  # the system's roots only
+    with pytest.raises(ValueError, match="certificate verify failed"):
+        list(untrusted.stream(history))
+
+
 # --- without a server ---------------------------------------------------------------------
 
 
@@ -300,3 +327,13 @@ def test_tls_settings_that_cannot_work_are_refused(pki: Path) -> None:
             channel_options=(),
             ca_certs=pki / "ca.pem",
         )
+
+
+def test_chat_tls_files_that_cannot_work_are_refused(pki: Path) -> None:
+    with pytest.raises(ValueError, match="go together"):
+        https_context(client_cert=str(pki / "client.pem"))
+    with pytest.raises(ValueError, match="cannot use the TLS files"):
+        https_context(ca_certs=str(pki / "missing.pem"))
+    with pytest.raises(ValueError, match="cannot use the TLS files"):  # a key that is not its
+        https_context(None, str(pki / "client.pem"), str(pki / "stranger.key"))
+    assert https_context(str(pki / "ca.pem"), str(pki / "client.pem"), str(pki / "client.key"))
