@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import ssl
@@ -85,6 +86,13 @@ class RemoteChat:
             raise ValueError(f"the server refused the request ({exc.code}): {detail}") from exc
         except urllib.error.URLError as exc:
             raise ValueError(f"cannot reach {self.url}: {exc.reason}; is it running?") from exc
+        except (http.client.HTTPException, ConnectionError, ssl.SSLError) as exc:
+            # Under TLS 1.3 a server that requires client certificates hangs up after the
+            # handshake, so a missing certificate shows only when the reply is read.
+            raise ValueError(
+                f"cannot reach {self.url}: the server closed the connection ({exc!r}); if it "
+                "requires client certificates, pass --client-cert and --client-key"
+            ) from exc
         with response:
             for raw in response:
                 line = raw.decode().strip()
