@@ -192,8 +192,8 @@ def _chat_streamer(ns: argparse.Namespace) -> Callable[[list[dict[str, str]]], I
     if ns.url:
         from kvrelay.remote_chat import RemoteChat, https_context
 
-        tls = ns.ca_certs or ns.client_cert or ns.client_key
-        context = https_context(ns.ca_certs, ns.client_cert, ns.client_key) if tls else None
+        # With no TLS flags this is urllib's own default context (plain http ignores it).
+        context = https_context(ns.ca_certs, ns.client_cert, ns.client_key)
         return RemoteChat(ns.url, params, ssl_context=context).stream
     from kvrelay.llm import LLM
 
