@@ -27,6 +27,14 @@ def load_fused_ops() -> ModuleType | None:
     )
 
 
+def prepare_fused_ops(device: torch.device | str) -> None:
+    """Build the extension now when the engine runs on `device` and it will be used there: a
+    server builds it before it is ready, so its first request does not wait for a compile
+    (~30 s on a new CPU or a new kvrelay version)."""
+    if torch.device(device).type == "cpu":
+        load_fused_ops()
+
+
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
     """The fused ops when `x` (a layer's activations) can take them: None on other devices,
     in other dtypes, or where the extension cannot be built."""

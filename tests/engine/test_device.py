@@ -29,7 +29,8 @@ from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.cpu_features import cpu_has_native_bf16
 from kvrelay.models.loader import load_model
 from kvrelay.worker.pools import actor_engine_args, worker_num_gpus
-from kvrelay_kernels import select_backend
+from kvrelay_kernels import cpu_extension, select_backend
+from kvrelay_kernels.cpu_fused import load_fused_ops
 from tests.engine.conftest import TINY_VOCAB, hf_greedy, run_to_completion
 
 _aten = torch.ops.aten
@@ -153,6 +154,26 @@ def test_device_cpu_gives_todays_greedy_tokens(tiny_llama_dir: Path) -> None:
     done = run_to_completion(engine)
     for i, prompt in enumerate(prompts):
         assert done[str(i)][0] == hf_greedy(tiny_llama_dir, prompt, 8)
+
+
+def test_a_cpu_engine_builds_its_fused_ops_before_its_first_step(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server is ready once its engine is built: the fused ops' extension (a ~30 s compile
+    on a new CPU) must be loaded by then, not by the first request's forward pass."""
+    name = "kvrelay_cpu_fused_ops"
+    if load_fused_ops() is None:
+        pytest.skip("the fused CPU ops do not build here")
+    monkeypatch.delitem(cpu_extension._built, name)  # as a fresh process has it
+    EngineArgs(model=str(tiny_llama_dir), device="cpu", num_blocks=16).create_engine(
+        with_tokenizer=False
+    )
+    assert cpu_extension._built.get(name) is not None
+    monkeypatch.delitem(cpu_extension._built, name)
+    EngineArgs(model=str(tiny_llama_dir), device="meta", num_blocks=16).create_engine(
+        with_tokenizer=False
+    )
+    assert name not in cpu_extension._built  # nothing to build for other devices
 
 
 @pytest.fixture

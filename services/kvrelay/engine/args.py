@@ -130,6 +130,7 @@ class EngineArgs:
         from kvrelay.models.loader import load_model
         from kvrelay.models.tokenizer import has_tokenizer, load_tokenizer
         from kvrelay_kernels import select_backend
+        from kvrelay_kernels.cpu_fused import prepare_fused_ops
 
         path = self.resolve_model_path()
         config = self.create_engine_config(path)
@@ -143,6 +144,7 @@ class EngineArgs:
             quantization=self.quantization,
         )
         model.prepack()
+        prepare_fused_ops(config.device)
         if self.sizes_kv_by_utilization(config.device):
             from kvrelay.engine.memory_profile import size_kv_cache_for_gpu
 
