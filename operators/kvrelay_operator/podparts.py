@@ -119,6 +119,9 @@ def worker_env(spec: ServiceSpec) -> list[Obj]:
         _field_env("KVRELAY_NODE_NAME", "spec.nodeName"),
         _field_env("KVRELAY_KV_HOST", "status.podIP"),
         *kv_env(spec),
+        # Ray starts its workers at nice 15; the engines are the pod's workload (see
+        # kvrelay/worker/priority.py).
+        {"name": "RAY_worker_niceness", "value": "0"},
     ]
     if spec.kv.ucx_tls:
         env.append({"name": "UCX_TLS", "value": spec.kv.ucx_tls})

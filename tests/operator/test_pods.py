@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.worker.priority import ENGINE_NICENESS, RAY_WORKER_NICENESS_ENV
 from kvrelay_operator.desired import desired_objects
 from kvrelay_operator.generation import generation_hash
 from tests.deploy.schemas import KUBE_VERSIONS, validate_everywhere, validate_object
@@ -95,6 +96,14 @@ def test_worker_pods_carry_their_identity_and_bind_the_kv_relay_on_the_pod_ip() 
     assert router_env["KVRELAY_KV_SECRET_FILE"] == "/var/run/secrets/kvrelay/kv/secret"
     assert "KVRELAY_KV_HOST" not in router_env  # the router serves no KV
     assert "kv-secret" not in {v["name"] for v in pods["head"]["volumes"]}  # nor does the head
+
+
+def test_worker_pods_run_their_engines_unniced() -> None:
+    """Ray starts its workers at nice 15 unless the raylet's environment says otherwise; the
+    engines are a worker pod's workload (kvrelay/worker/priority.py)."""
+    pods = _templates({})
+    for pool in ("prefill", "decode"):
+        assert _env(pods[pool])[RAY_WORKER_NICENESS_ENV] == str(ENGINE_NICENESS)
 
 
 def test_the_kv_secret_env_names_what_the_workers_read() -> None:

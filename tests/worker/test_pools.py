@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,17 @@ def test_disaggregated_equals_colocated(pools: Pools, make_engine: EngineFactory
     assert after.kv_pull_fallbacks == before.kv_pull_fallbacks
     assert after.kv_bytes_pulled > before.kv_bytes_pulled  # the KV really travelled
     assert_no_leaks(pools)
+
+
+def test_the_engines_run_unniced(pools: Pools) -> None:
+    """The session's Ray cluster starts its workers at Ray's nice 15 (it is not started by
+    Pools.start): each engine raised every thread of its process back to 0 (we run as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("lowering niceness needs CAP_SYS_NICE")
+    for worker in pools.workers:
+        pid = ray.get(worker.describe.remote()).pid
+        tasks = os.listdir(f"/proc/{pid}/task")
+        assert [os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks] == [0] * len(tasks)
 
 
 def test_failed_pull_recomputes_the_prompt(pools: Pools, make_engine: EngineFactory) -> None:

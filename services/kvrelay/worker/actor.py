@@ -39,6 +39,7 @@ from kvrelay.worker.channel import ChannelEndpoint
 from kvrelay.worker.deltas import DeltaTracker
 from kvrelay.worker.engine_builder import build_worker_engine
 from kvrelay.worker.engine_loop import EngineLoop
+from kvrelay.worker.priority import raise_engine_priority
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class EngineWorker(ChannelEndpoint):
         """`kv_secret`: the deployment's KV transfer secret (default: from the environment,
         $KVRELAY_KV_SECRET or $KVRELAY_KV_SECRET_FILE); a prefill or decode worker refuses to
         start without one."""
+        raise_engine_priority()  # before the engine's threads start: they inherit it
         args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs(**engine_args)
         self.role = Role(role)
         args = dataclasses.replace(args, role=self.role.value, num_threads=num_threads)

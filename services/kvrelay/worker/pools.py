@@ -15,6 +15,7 @@ from kvrelay.engine.args import EngineArgs
 from kvrelay.messages import EngineStats, Role
 from kvrelay.transfer.auth import KVSecret
 from kvrelay.worker.actor import EngineWorker
+from kvrelay.worker.priority import unniced_ray_env
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class Pools:
         owns_ray = False
         if not ray.is_initialized():
             if address is None:
+                unniced_ray_env()
                 ray.init(
                     num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING
                 )
