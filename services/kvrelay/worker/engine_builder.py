@@ -8,11 +8,14 @@ import argparse
 import dataclasses
 import os
 import shlex
-from collections.abc import MutableMapping
+import threading
+from collections.abc import Callable, MutableMapping
+from typing import TypeVar
 
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.engine import Engine
 
+T = TypeVar("T")
 ENGINE_ARGS_ENV = "KVRELAY_ENGINE_ARGS"
 # oneDNN's primitive cache and ideep's (torch's oneDNN wrapper) keep one entry per matmul shape,
 # 1024 each by default, about 0.3 MiB per entry for the packed linears (models/layers.py). A
@@ -53,6 +56,35 @@ def bound_onednn_caches(environ: MutableMapping[str, str] | None = None) -> None
 
 
 def build_worker_engine(args: EngineArgs) -> Engine:
-    """The engine a worker runs: `args` plus the pool's environment overrides, no tokenizer."""
+    """The engine a worker runs: `args` plus the pool's environment overrides, no tokenizer;
+    built on a thread of its own (`in_passing_thread`)."""
     bound_onednn_caches()
-    return apply_env_overrides(args).create_engine(with_tokenizer=False)
+    return in_passing_thread(lambda: apply_env_overrides(args).create_engine(with_tokenizer=False))
+
+
+def in_passing_thread(build: Callable[[], T]) -> T:
+    """`build()` run on a new thread that ends when it returns; its result, or its exception.
+
+    OpenMP (torch's libgomp) gives every thread that runs a parallel op a team of its own,
+    kept until that thread ends, and once it manages more threads than the process has CPUs,
+    a thread that waits for work spins 100 times (not ~300,000) before it sleeps. Building
+    the engine (weight packing, warm-up matmuls) on the actor's thread left a second team
+    alive beside the engine loop's, so with two threads on two cores every step's ~1,000
+    parallel ops each woke a sleeping thread (a halted vCPU): a served 1-stream decode step
+    took 42-44 ms where the offline engine takes 23-27. Built here, the team ends with the
+    thread: 25-28 ms served (worker/engine_loop.py runs every step on its one thread)."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as exc:  # re-raised on the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="engine-build")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
