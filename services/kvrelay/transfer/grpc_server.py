@@ -15,6 +15,7 @@ from kvrelay.transfer.kv_regions import StagingPool, block_byte_rows, block_byte
 from kvrelay.transfer.runs import merge_runs
 from kvrelay.v1 import kv_transfer_pb2 as pb
 from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
+from kvrelay_kernels.cpu_threads import use_one_cpu_thread
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +142,12 @@ def start_server(
     Raises:
         RuntimeError: the address could not be bound.
     """
+    # Reads run beside the engine's steps: one CPU thread each (kvrelay_kernels/cpu_threads.py).
+    threads = futures.ThreadPoolExecutor(
+        max_workers=max_workers, thread_name_prefix="kv-transfer", initializer=use_one_cpu_thread
+    )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-transfer"),
+        threads,
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -21,6 +21,7 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import KVHandle, PullPlan, RequestFailedError
 from kvrelay.transfer.base import KVConnector, TransferError
+from kvrelay_kernels.cpu_threads import use_one_cpu_thread
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self._commands: queue.Queue[Command | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # loop thread only
+        # Pulls copy into the cache beside the steps: one CPU thread each (cpu_threads.py).
         self._pulls = concurrent.futures.ThreadPoolExecutor(
-            max_workers=pull_threads, thread_name_prefix="kv-pull"
+            max_workers=pull_threads, thread_name_prefix="kv-pull", initializer=use_one_cpu_thread
         )
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
