@@ -1,4 +1,4 @@
-"""Threads beside the engine's run torch's CPU ops on one thread each.
+"""Threads beside the engine loop run torch's CPU ops on one thread each.
 
 libgomp (torch's OpenMP runtime) gives every thread that runs a parallel op a team of its own,
 kept until that thread ends; once it manages more threads than the process has CPUs, a waiting

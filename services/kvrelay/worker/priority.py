@@ -5,7 +5,7 @@ daemons stay responsive beside arbitrary tasks. An engine worker is no arbitrary
 the workload. At nice 15 the scheduler gives it ~3% of a core against any nice-0 thread, so
 the router, Ray's agents or a client on the same host preempt it at once; with two OpenMP
 threads, one descheduled thread stalls the other at every op's barrier. Served on 2 cores at
-16 streams, nice 0 raised throughput 9-12% (`benchmarks/serve_compare.py`, paired runs).
+16 streams, nice 0 raised throughput 9-12% (paired runs, `vllm bench serve` as the client).
 
 So every Ray cluster kvrelay starts or deploys sets `RAY_worker_niceness=0` (the raylets pass
 it to their workers), and a worker that still finds itself niced lowers its niceness where it
