@@ -5,13 +5,10 @@ threads keep their thread count."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.fresh_python import run_fresh_python
 
 # OS threads of a 2-thread torch process: at start, with a lasting helper thread that ran a
 # parallel op after use_one_cpu_thread, and with a second one that ran it without.
@@ -39,16 +36,7 @@ print(*counts, *(x for pair in answers for x in pair), torch.get_num_threads())
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_a_helper_thread_runs_its_ops_without_a_team() -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'kernels'}{os.pathsep}{REPO_ROOT}"}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_COUNT_THREADS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    start, limited, unlimited, *rest = done.stdout.split()
+    start, limited, unlimited, *rest = run_fresh_python(_COUNT_THREADS, "kernels").split()
     assert int(limited) == int(start) + 1  # the helper itself, no team worker
     assert int(unlimited) == int(limited) + 2  # a helper and its team's worker thread
     sum_limited, threads_limited, sum_unlimited, threads_unlimited, main_threads = rest

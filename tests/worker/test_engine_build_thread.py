@@ -6,15 +6,12 @@ manages more threads than there are CPUs)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
 
 from kvrelay.worker.engine_builder import in_passing_thread
-from tests.conftest import REPO_ROOT
+from tests.fresh_python import run_fresh_python
 
 # OS threads of a 2-thread torch process: at start, after a parallel op run on a passing
 # thread, and after the same op run on the main thread (whose team then stays).
@@ -35,16 +32,7 @@ print(start, passing, count())
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_the_build_threads_team_ends_with_it() -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'services'}{os.pathsep}{REPO_ROOT}"}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_COUNT_THREADS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    start, passing, direct = map(int, done.stdout.split())
+    start, passing, direct = map(int, run_fresh_python(_COUNT_THREADS, "services").split())
     assert passing == start  # nothing the build started outlives it
     assert direct == start + 1  # a team on a lasting thread keeps its worker thread
 

@@ -4,14 +4,11 @@ clusters ask for 0, and a niced engine raises itself, or says how to fix the clu
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from kvrelay.worker.priority import RAY_WORKER_NICENESS_ENV, unniced_ray_env
-from tests.conftest import REPO_ROOT
+from tests.fresh_python import run_fresh_python
 
 # Niced to Ray's 15 with a second thread already running, then raised: every thread's
 # niceness after, and the function's answer.
@@ -31,13 +28,7 @@ print("threads", [os.getpriority(os.PRIO_PROCESS, t) for t in tasks], "result", 
 
 
 def _run(drop_rights: bool) -> str:
-    code = textwrap.dedent(_RAISE.format(drop_rights=drop_rights))
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'services'}{os.pathsep}{REPO_ROOT}"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return run_fresh_python(_RAISE.format(drop_rights=drop_rights), "services", timeout=60)
 
 
 def test_a_local_cluster_asks_for_unniced_workers_unless_told_otherwise() -> None:
