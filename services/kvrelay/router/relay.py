@@ -275,6 +275,10 @@ class Relay:
                     keep_going = await before_first()
                     before_first = None
                     if not keep_going:
+                        # Awaited, not fired: Ray does not order an async actor's calls, and
+                        # a late abort would kill the recompute that follows on this worker.
+                        worker_done = True
+                        await worker.handle.abort.remote(run.request_id)
                         return False
                 run.take(delta)
                 if worker_done or run.state.finished:
@@ -296,7 +300,7 @@ class Relay:
         finally:
             channel.close(tag)
             worker.in_flight -= 1
-            if not worker_done and started:  # a stop string, a cancelled client, a lost lease
+            if not worker_done and started:  # a stop string, a cancelled client
                 _fire(worker.handle.abort, run.request_id)
             elif not worker_done:
                 self._abort_once_started(worker, run.request_id, start)
