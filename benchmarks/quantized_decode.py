@@ -5,11 +5,14 @@ ones are (issue 15).
 Four parts, all in one run on the default model (SmolLM2-135M-Instruct, Q4_1 at the source;
 its Q8_0 twin is written once under --q8-0-folder: every Q4_1 matmul weight requantized to
 Q8_0 with gguf's own quantizer, beside the dequantized safetensors as the exact reference):
-  --layers   the model's linear shapes at 1, 4 and 16 rows: fp32 dense / packed, bf16 dense /
-             packed (oneDNN), Q4_1 int4, Q8_0 as two int4 planes (exact, what q8_0 runs) and
-             torch's int8 kernel with one scale per row (requantized: NOT exact; its largest
-             weight error relative to the row's largest weight is printed), bf16 activations;
-             median microseconds per matmul.
+  --layers   the model's linear shapes at 1, 4, 16 and 64 rows: fp32 dense / packed, bf16
+             dense / packed (oneDNN), Q4_1 and Q8_0 through torch's int4 kernel alone (Q8_0 as
+             two int4 planes) and as the layers run them where kvrelay's block kernel builds
+             (Q8_0 through its own loop; from 32 rows on both dequantize and run the dense
+             matmul), and torch's int8
+             kernel with one scale per row (requantized: NOT exact; its largest weight error
+             relative to the row's largest weight is printed), bf16 activations; median
+             microseconds per matmul.
   decode     the offline engine decodes one greedy stream; median wall time of a decode step
              and its tokens/s, per configuration (dtype + quantization).
   --hf       kvrelay's greedy tokens against transformers' in bf16 and fp32.
@@ -209,22 +212,21 @@ def layer_table(repeats: int) -> list[str]:
     from kvrelay.models.quantized import Int4Linear, Q8_0Linear, dequantize_q8_0
 
     rows_out = ["| layer [out, in] | rows | fp32 dense | fp32 packed | bf16 dense | bf16 packed "
-                "| Q4_1 int4 | Q8_0 2x int4 (exact) | int8 per-row (not exact) |",
-                "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                "| Q4_1 torch int4 | Q4_1 as served | Q8_0 torch 2x int4 "
+                "| Q8_0 as served | int8 per-row (not exact) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in LAYER_SHAPES.items():
         w = torch.randn(n, k, generator=gen) * 0.05
         w16 = w.bfloat16()
         p32 = torch.ops.mkldnn._reorder_linear_weight(w)
         p16 = torch.ops.mkldnn._reorder_linear_weight(w16)
-        raw = _random_q4_1(n, k, gen)
-        q4 = Int4Linear(raw, k, None, torch.bfloat16)
-        raw8 = _random_q8_0(n, k, gen)
-        q8 = Q8_0Linear(raw8, k, None, torch.bfloat16)
+        raw, raw8 = _random_q4_1(n, k, gen), _random_q8_0(n, k, gen)
+        q4, q8 = _both_kernels(Int4Linear, raw, k), _both_kernels(Q8_0Linear, raw8, k)
         int8, row_scales, err = _int8_per_row(dequantize_q8_0(raw8, k))
         print(f"{name}: int8 per-row requantization of Q8_0, largest weight error / row max "
               f"{err:.4f}", flush=True)  # fmt: skip
-        for m in (1, 4, 16):
+        for m in (1, 4, 16, 64):
             x = torch.randn(m, k, generator=gen)
             x16 = x.bfloat16()
             calls = [
@@ -232,8 +234,7 @@ def layer_table(repeats: int) -> list[str]:
                 partial(_packed, x, p32),
                 partial(linear, x16, w16),
                 partial(_packed, x16, p16),
-                partial(q4, x16),
-                partial(q8, x16),
+                *(partial(layer, x16) for layer in (*q4, *q8)),
                 partial(torch.ops.aten._weight_int8pack_mm, x16, int8, row_scales),
             ]
             cells = [_median_us(call, repeats) for call in calls]
@@ -241,6 +242,17 @@ def layer_table(repeats: int) -> list[str]:
             rows_out.append(f"| {name} [{n}, {k}] | {m} | {text} |")
             print(rows_out[-1], flush=True)
     return rows_out
+
+
+def _both_kernels(kind: type[Any], raw: torch.Tensor, k: int) -> tuple[Any, Any]:
+    """The layer over `raw` with torch's int4 kernel alone, and as served (kvrelay's block
+    kernel where it builds)."""
+    layers = []
+    for kernel in ("torch", "auto"):
+        os.environ["KVRELAY_CPU_QUANT_KERNEL"] = kernel
+        layers.append(kind(raw, k, None, torch.bfloat16))
+    del os.environ["KVRELAY_CPU_QUANT_KERNEL"]
+    return layers[0], layers[1]
 
 
 def _packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -344,7 +356,7 @@ def llama_cpp_figure(gguf: Path, threads: int) -> str:
     return f"llama.cpp llama-bench tg128: {result.stdout.strip() or result.stderr.strip()}"
 
 
-WEIGHTS = {"q4_1": "Q4_1 (int4)", "q8_0": "Q8_0 (2x int4)"}
+WEIGHTS = {"q4_1": "Q4_1", "q8_0": "Q8_0"}
 
 
 def _folder(quantization: str, args: argparse.Namespace) -> Path | None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvrelay.models import AttentionInputs, CausalLM
+from kvrelay.models.quantized import QUANT_KERNEL_ENV
 
 
 class PagedKV:
@@ -78,3 +79,10 @@ class PagedKV:
 @pytest.fixture
 def paged_kv() -> type[PagedKV]:
     return PagedKV
+
+
+@pytest.fixture(params=["auto", "torch"])
+def quant_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each quantized-layer test twice: kvrelay's CPU block kernel, and torch's int4 kernel."""
+    monkeypatch.setenv(QUANT_KERNEL_ENV, request.param)
+    return str(request.param)

@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from kvrelay.models import load_model
 from kvrelay.models.gguf_convert import read_gguf_weights
 from kvrelay.models.quantized import (
+    DENSE_FROM_ROWS,
+    QUANT_KERNEL_ENV,
     Int4Linear,
     QuantizedWeightError,
     dequantize_q4_1,
@@ -75,7 +77,9 @@ def test_kernel_shape_limits() -> None:
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int4_linear_fp32_equals_the_dequantized_matmul(rows: int, with_bias: bool) -> None:
+def test_int4_linear_fp32_equals_the_dequantized_matmul(
+    quant_kernel: str, rows: int, with_bias: bool
+) -> None:
     raw = _q4_1(_random_weight(96, 128, rows))
     gen = torch.Generator().manual_seed(rows)
     bias = torch.randn(96, generator=gen) if with_bias else None
@@ -89,7 +93,7 @@ def test_int4_linear_fp32_equals_the_dequantized_matmul(rows: int, with_bias: bo
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_int4_linear_bf16_is_within_bf16_rounding() -> None:
+def test_int4_linear_bf16_is_within_bf16_rounding(quant_kernel: str) -> None:
     raw = _q4_1(_random_weight(64, 256, 7))
     layer = Int4Linear(raw, 256, None, torch.bfloat16)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).bfloat16()
@@ -100,6 +104,49 @@ def test_int4_linear_bf16_is_within_bf16_rounding() -> None:
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
     # A broken layout (e.g. nibbles swapped) is far off, so the check above can fail.
     assert (out.float() - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_run_the_dequantized_weight_densely(dtype: torch.dtype) -> None:
+    raw = _q4_1(_random_weight(64, 128, 3))
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    layer = Int4Linear(raw, 128, bias, dtype)
+    if layer.ops is None:
+        pytest.skip("the CPU block kernel did not build here")
+    assert "few rows=torch int4, from 32 rows=kvrelay dequantized, dense" in repr(layer)
+    assert torch.equal(layer.dequantized(), dequantize_q4_1(raw, 128).to(dtype))
+    x = torch.randn(DENSE_FROM_ROWS, 128, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.inference_mode():
+        out = layer(x)
+        assert torch.equal(out, F.linear(x, layer.dequantized(), layer.bias))
+        # One row fewer takes torch's int4 kernel: the same values up to its rounding.
+        fewer = layer(x[:-1])
+    torch.testing.assert_close(fewer.float(), out[:-1].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_large_weight_is_dequantized_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvrelay.models.quantized.DENSE_SLICE_ROWS", 48)  # 3 slices, 1 short
+    raw = _q4_1(_random_weight(112, 64, 8))
+    bias = torch.randn(112, generator=torch.Generator().manual_seed(8))
+    layer = Int4Linear(raw, 64, bias, torch.float32)
+    if layer.ops is None:
+        pytest.skip("the CPU block kernel did not build here")
+    x = torch.randn(DENSE_FROM_ROWS, 64, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        out = layer(x)
+    assert torch.equal(layer.dequantized(slice(48, 96)), dequantize_q4_1(raw, 64)[48:96])
+    expected = F.linear(x, dequantize_q4_1(raw, 64), bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = _q4_1(_random_weight(16, 32, 1))
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "torch")
+    torch_only = repr(Int4Linear(raw, 32, None, torch.bfloat16))
+    assert "few rows=torch int4, from 32 rows=torch int4" in torch_only
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="KVRELAY_CPU_QUANT_KERNEL='fast'"):
+        Int4Linear(raw, 32, None, torch.bfloat16)
 
 
 # A tiny Llama whose every matmul fits the int4 kernel: hidden 64, 4 heads of 16, 2 kv heads.

@@ -68,7 +68,7 @@ def _every_code_rows(rows: int, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat((d, codes.expand(rows, 8, 32)), -1).reshape(rows, 8 * 34)
 
 
-def test_the_two_plane_split_is_exact_for_every_code() -> None:
+def test_the_two_plane_split_is_exact_for_every_code(quant_kernel: str) -> None:
     # x = I reads the layer's effective weights back one column per row: with fp32 compute
     # and fp16 scales every (h - 8) 16d + (l - 8) d + 8d is exact, so they equal d * q bit
     # for bit for all 256 codes, including -128 and 127 (the nibbles' ends).
@@ -79,18 +79,25 @@ def test_the_two_plane_split_is_exact_for_every_code() -> None:
     with torch.inference_mode():
         effective = layer(torch.eye(256)).t()
     assert torch.equal(effective, dequantize_q8_0(raw, 256))
+    with torch.inference_mode():  # a few rows: the block kernel's own loop where it runs
+        assert torch.equal(layer(torch.eye(256)[:8]).t(), effective[:, :8])
     assert effective[0, 0] == -128 * scales[0, 0].half().float()
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_q8_0_linear_fp32_equals_the_dequantized_matmul(rows: int, with_bias: bool) -> None:
+def test_q8_0_linear_fp32_equals_the_dequantized_matmul(
+    quant_kernel: str, rows: int, with_bias: bool
+) -> None:
     raw = _q8_0(_random_weight(96, 128, rows))
     gen = torch.Generator().manual_seed(rows)
     bias = torch.randn(96, generator=gen) if with_bias else None
     layer = Q8_0Linear(raw, 128, bias, torch.float32)
-    assert layer.planes == 2  # two int4 planes: 8 bits per weight
-    assert layer.scales_and_zeros.shape == (2 * 128 // 32, 96, 2)
+    if quant_kernel == "torch":
+        assert layer.int4.planes == 2  # two int4 planes: 8 bits per weight
+        assert layer.int4.scales_and_zeros.shape == (2 * 128 // 32, 96, 2)
+    else:
+        assert layer.codes.dtype == torch.int8 and layer.codes.shape == (96, 128)
     x = torch.randn(rows, 128, generator=gen)
     expected = F.linear(x, dequantize_q8_0(raw, 128), bias)
     with torch.inference_mode():
@@ -100,7 +107,7 @@ def test_q8_0_linear_fp32_equals_the_dequantized_matmul(rows: int, with_bias: bo
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_q8_0_linear_bf16_is_within_bf16_rounding() -> None:
+def test_q8_0_linear_bf16_is_within_bf16_rounding(quant_kernel: str) -> None:
     raw = _q8_0(_random_weight(64, 256, 7))
     layer = Q8_0Linear(raw, 256, None, torch.bfloat16)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).bfloat16()
@@ -114,7 +121,7 @@ def test_q8_0_linear_bf16_is_within_bf16_rounding() -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_q8_0_linear_bf16_rounds_once_like_a_dense_matmul(seed: int) -> None:
+def test_q8_0_linear_bf16_rounds_once_like_a_dense_matmul(quant_kernel: str, seed: int) -> None:
     # One int4 call over both planes rounds the output to bf16 once; two calls summed in
     # bf16 rounded three times: on these seeds 0.95-0.96x a bf16 dense matmul's mean error,
     # against 1.12-1.18x for two calls (and about 1.5x on the model's shapes).

@@ -16,14 +16,27 @@ The layer reads 8 bits per weight; no code is rounded. The planes sit side by si
 in one packed weight and the input is repeated to match, so one int4 matmul sums both: in
 bf16 that rounds once, where two calls summed rounded three times (about 1.5x the error of
 a bf16 dense matmul, and 10-30% slower at 1 row; `benchmarks/quantized_decode.py`).
+
+Where kvrelay's CPU extension builds, the layers also keep the GGUF blocks as they are (codes,
+and the fp16 constants as fp32) for `kvrelay_kernels.cpu_quantized`: batches of many rows
+(prefill) dequantize the layer and run the dense matmul, and Q8_0's few-row batches run its
+loop, which dequantizes each block in registers and sums in fp32 (exact weights: only the
+order of the sums differs from the dequantized fp32 matmul). See `Int4PlanesLinear`.
+`KVRELAY_CPU_QUANT_KERNEL=torch` runs torch's int4 kernel alone (for comparisons).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import ClassVar, NamedTuple, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kvrelay_kernels.cpu_quantized import load_block_quant_ops
 
 QUANT_BLOCK = 32  # weights per block in both formats (and the int4 kernel's group size)
 Q4_1_BLOCK = QUANT_BLOCK
@@ -37,6 +50,27 @@ _Q8_0_OFFSET = 128  # int8 code + 128 = unsigned 0..255, split into two nibbles
 
 # One int4 plane: `[out, in]` int32 codes in 0..15, and `[out, in / 32]` fp32 scales, zeros.
 Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+QUANT_KERNEL_ENV = "KVRELAY_CPU_QUANT_KERNEL"  # "auto" (ours where it builds) or "torch"
+# From this many rows on, the block kernel's multiply-adds cost more than dequantizing the
+# layer and running oneDNN's dense matmul (`benchmarks/quantized_decode.py --layers`).
+DENSE_FROM_ROWS = 32
+DENSE_SLICE_ROWS = 4096  # output rows dequantized at a time for that (a few MB)
+
+
+class GgufBlocks(NamedTuple):
+    """A weight as its GGUF blocks, for the block kernel: Q4_1 when `m` is given, else Q8_0."""
+
+    codes: torch.Tensor  # Q4_1: [out, in / 2] uint8 (16 bytes a block); Q8_0: [out, in] int8
+    d: torch.Tensor  # [out, in / 32] fp32 scales
+    m: torch.Tensor | None  # Q4_1: [out, in / 32] fp32 offsets
+
+
+def block_kernel() -> ModuleType | None:
+    """The CPU block kernel, unless `KVRELAY_CPU_QUANT_KERNEL=torch` or it cannot be built."""
+    choice = os.environ.get(QUANT_KERNEL_ENV, "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: expected 'auto' or 'torch'")
+    return load_block_quant_ops() if choice == "auto" else None
 
 
 class QuantizedWeightError(ValueError):
@@ -89,11 +123,25 @@ def q4_1_fields(raw: torch.Tensor, in_features: int) -> tuple[torch.Tensor, ...]
         QuantizedWeightError: `raw` is not `[out, in / 32 * 20]` uint8, or a constant is
             not finite.
     """
+    codes, d, m = q4_1_blocks(raw, in_features)
+    assert m is not None
+    return _q4_1_codes(codes, in_features), d, m
+
+
+def q4_1_blocks(raw: torch.Tensor, in_features: int) -> GgufBlocks:
+    """Q4_1 rows as `GgufBlocks` (the codes as stored, 16 bytes a block); raises as
+    `q4_1_fields` does."""
     cells = _blocks(raw, in_features, "Q4_1", Q4_1_BLOCK_BYTES)
     d, m = _fp16_field(cells, 0, "Q4_1"), _fp16_field(cells, 2, "Q4_1")
-    codes = cells[..., 4:]  # [out, blocks, 16]
-    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1)  # [out, blocks, 32] in element order
-    return q.reshape(raw.shape[0], in_features).to(torch.int32), d, m
+    codes = cells[..., 4:].reshape(raw.shape[0], in_features // 2).contiguous()
+    return GgufBlocks(codes, d, m)
+
+
+def _q4_1_codes(codes: torch.Tensor, in_features: int) -> torch.Tensor:
+    """`[out, in]` int32 codes in element order from `[out, in / 2]` stored bytes."""
+    cells = codes.reshape(codes.shape[0], -1, Q4_1_BLOCK // 2)  # [out, blocks, 16]
+    q = torch.cat((cells & 0x0F, cells >> 4), dim=-1)  # [out, blocks, 32] in element order
+    return q.reshape(codes.shape[0], in_features).to(torch.int32)
 
 
 def q8_0_fields(raw: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,10 +158,16 @@ def q8_0_fields(raw: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torc
         QuantizedWeightError: `raw` is not `[out, in / 32 * 34]` uint8, or a scale is not
             finite.
     """
+    codes, d, _ = q8_0_blocks(raw, in_features)
+    return codes.to(torch.int32), d
+
+
+def q8_0_blocks(raw: torch.Tensor, in_features: int) -> GgufBlocks:
+    """Q8_0 rows as `GgufBlocks` (`[out, in]` int8 codes); raises as `q8_0_fields` does."""
     cells = _blocks(raw, in_features, "Q8_0", Q8_0_BLOCK_BYTES)
     d = _fp16_field(cells, 0, "Q8_0")
     q = cells[..., 2:].contiguous().view(torch.int8)  # [out, blocks, 32]
-    return q.reshape(raw.shape[0], in_features).to(torch.int32), d
+    return GgufBlocks(q.reshape(raw.shape[0], in_features), d, None)
 
 
 def dequantize_q4_1(raw: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -161,41 +215,54 @@ def int4_kernel_fits(out_features: int, in_features: int) -> bool:
 
 
 class Int4PlanesLinear(nn.Module):
-    """A linear layer whose weight is a sum of int4 planes packed for torch's int4 CPU matmul
-    (inference only); `Int4Linear` (Q4_1, one plane) and `Q8_0Linear` (two) build it.
+    """A linear layer over block-quantized weights (inference only); `Int4Linear` (Q4_1) and
+    `Q8_0Linear` build it.
 
-    Activations are computed in `compute_dtype` (the model's dtype); the output is in the
-    input's dtype. bf16 is the fast path: torch's int4 kernel is vectorized for bf16 (and
-    about 20x slower in fp32, which is kept for checking against the dequantized model).
-    Scales and zeros are held in `compute_dtype`: in bf16 that rounds them (fp16 in the file)
-    to bf16's 8-bit mantissa, the one error besides summation order. The packed codes are
-    buffers outside the state dict: the layer is built from a GGUF, never saved.
+    Where kvrelay's CPU block kernel builds (`block_kernel()`), the layer keeps the weight's
+    GGUF blocks, and from `DENSE_FROM_ROWS` rows on (a prefill chunk) dequantizes them to
+    `compute_dtype` for the call and multiplies densely (oneDNN; 10x torch's int4 kernel at
+    512 rows). Fewer rows go through
+    - torch's packed int4 CPU matmul over the sum of int4 planes (Q4_1; both kernels where
+      the block kernel cannot build): activations computed in `compute_dtype` (bf16 is its
+      fast path; fp32 is about 20x slower, kept for checking), scales and zeros held in
+      `compute_dtype` (in bf16 that rounds them, fp16 in the file, to bf16's 8-bit
+      mantissa: the one error besides summation order). For Q4_1 it was faster at one row
+      than our block loop on a 2-core Xeon (22 vs 14 G weights/s), so it stays.
+    - the block kernel's own loop (Q8_0): exact weights, fp32 sums, the output rounded once;
+      as fast as torch's two int4 planes there, and no second copy of the weight.
+    The codes are buffers outside the state dict: the layer is built from a GGUF, never saved.
     """
 
-    packed_weight: torch.Tensor  # torch's int4 packing of the planes side by side along K
-    scales_and_zeros: torch.Tensor  # [planes * in / 32, out, 2]
+    # Whether rows below DENSE_FROM_ROWS take the block kernel's loop (else torch's int4).
+    few_rows_on_blocks: ClassVar[bool] = False
     bias: torch.Tensor | None
+    codes: torch.Tensor  # the GgufBlocks fields, with the block kernel
+    d: torch.Tensor
+    m: torch.Tensor | None
 
     def __init__(
         self,
-        planes: Sequence[Plane],
+        planes: Callable[[], Sequence[Plane]],
+        blocks: GgufBlocks,
         bias: torch.Tensor | None,
         compute_dtype: torch.dtype,
         label: str,
     ) -> None:
         """Args:
-        planes: one or more `(codes, scales, zeros)`, all of the same `[out, in]`; the
-            weight is their sum.
+        planes: makes one or more `(codes, scales, zeros)`, all of the same `[out, in]`,
+            whose sum is the weight (called only for torch's kernel).
+        blocks: the same weight as GGUF blocks (for the block kernel).
         bias: `[out]` or None, added in `compute_dtype`.
-        compute_dtype: the activations' dtype inside the matmul.
+        compute_dtype: the activations' dtype inside torch's matmul, and the dense
+            weight's for many rows.
         label: the source format, for `repr`.
 
         Raises:
-            QuantizedWeightError: the shape does not fit the int4 kernel.
+            QuantizedWeightError: the shape does not fit torch's int4 kernel.
         """
         super().__init__()
-        self.out_features, self.in_features = planes[0][0].shape
-        self.planes = len(planes)
+        rows, k = blocks.codes.shape
+        self.out_features, self.in_features = rows, (k * 2 if blocks.m is not None else k)
         if not int4_kernel_fits(self.out_features, self.in_features):
             raise QuantizedWeightError(
                 f"a [{self.out_features}, {self.in_features}] weight does not fit torch's "
@@ -203,40 +270,94 @@ class Int4PlanesLinear(nn.Module):
                 "without --quantization"
             )
         self.compute_dtype, self.label = compute_dtype, label
+        self.register_buffer(
+            "bias", bias.to(compute_dtype) if bias is not None else None, persistent=False
+        )
+        self.ops = block_kernel()
+        if self.ops is not None:
+            for name, value in blocks._asdict().items():
+                self.register_buffer(name, value, persistent=False)
+        self.blocks_for_few_rows = self.ops is not None and self.few_rows_on_blocks
+        if not self.blocks_for_few_rows:
+            self.int4 = _TorchInt4Planes(planes(), compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, in] -> [M, out]
+        if self.ops is not None and x.shape[0] >= DENSE_FROM_ROWS:
+            out = self._dense(x.to(self.compute_dtype))
+        elif self.blocks_for_few_rows:
+            assert self.ops is not None
+            return cast(torch.Tensor, self.ops.q8_0_matmul(x, self.codes, self.d, self.bias))
+        else:
+            out = self.int4.forward(x.to(self.compute_dtype))
+            if self.bias is not None:
+                out += self.bias
+        return out.to(x.dtype)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T + bias` with W dequantized for this call, `DENSE_SLICE_ROWS` output rows
+        at a time: a vocab projection's dense copy would be tens of MB, freshly mapped (and
+        page-faulted) on every call."""
+        if self.out_features <= DENSE_SLICE_ROWS:
+            return F.linear(x, self.dequantized(), self.bias)
+        out = x.new_empty(x.shape[0], self.out_features)
+        for start in range(0, self.out_features, DENSE_SLICE_ROWS):
+            rows = slice(start, start + DENSE_SLICE_ROWS)
+            bias = self.bias[rows] if self.bias is not None else None
+            out[:, rows] = F.linear(x, self.dequantized(rows), bias)
+        return out
+
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The `[out, in]` weight (or those `rows` of it) in `compute_dtype` (block kernel
+        only; made per call)."""
+        assert self.ops is not None
+        codes, d = self.codes[rows], self.d[rows]
+        if self.m is not None:
+            weight = self.ops.q4_1_dequantize(codes, d, self.m[rows], self.compute_dtype)
+        else:
+            weight = self.ops.q8_0_dequantize(codes, d, self.compute_dtype)
+        return cast(torch.Tensor, weight)
+
+    def extra_repr(self) -> str:
+        few = "kvrelay blocks" if self.blocks_for_few_rows else "torch int4"
+        many = "kvrelay dequantized, dense" if self.ops is not None else few
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.label}, compute={self.compute_dtype}, few rows={few}, "
+            f"from {DENSE_FROM_ROWS} rows={many}"
+        )
+
+
+class _TorchInt4Planes(nn.Module):
+    """int4 planes side by side along K in torch's int4 packing; the input is repeated to
+    match, so one `_weight_int4pack_mm_for_cpu` sums every plane."""
+
+    packed_weight: torch.Tensor
+    scales_and_zeros: torch.Tensor  # [planes * in / 32, out, 2]
+
+    def __init__(self, planes: Sequence[Plane], compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.planes = len(planes)
         codes = torch.cat([q for q, _, _ in planes], dim=1)  # [out, planes * in]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-        # [planes * in / 32, out, 2]: per group and output row, (scale, zero) as the kernel
-        # takes them.
+        # Per group and output row, (scale, zero) as the kernel takes them.
         scales_zeros = torch.cat([torch.stack((s.t(), z.t()), dim=-1) for _, s, z in planes])
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer(
             "scales_and_zeros", scales_zeros.to(compute_dtype).contiguous(), persistent=False
         )
-        self.register_buffer(
-            "bias", bias.to(compute_dtype) if bias is not None else None, persistent=False
-        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, in] -> [M, out]
-        x_c = x.to(self.compute_dtype)
+        # x: [M, in] in the compute dtype -> [M, out]
         if self.planes > 1:
-            x_c = x_c.repeat(1, self.planes)  # [M, planes * in]: each plane sees the input
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x_c, self.packed_weight, QUANT_BLOCK, self.scales_and_zeros
-        )
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"{self.label}, compute={self.compute_dtype}"
+            x = x.repeat(1, self.planes)  # [M, planes * in]: each plane sees the input
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed_weight, QUANT_BLOCK, self.scales_and_zeros
         )
 
 
 class Int4Linear(Int4PlanesLinear):
-    """Q4_1 rows as one int4 plane: `scale = d`, `zero = m + 8 d`."""
+    """Q4_1 rows: GGUF blocks, or one int4 plane with `scale = d`, `zero = m + 8 d`."""
 
     def __init__(
         self,
@@ -253,12 +374,21 @@ class Int4Linear(Int4PlanesLinear):
             QuantizedWeightError: the bytes are not Q4_1 rows of that length, or the shape
                 does not fit the int4 kernel (see `int4_kernel_fits`).
         """
-        q, d, m = q4_1_fields(raw_q4_1, in_features)
-        super().__init__([(q, d, m + _INT4_ZERO_CODE * d)], bias, compute_dtype, "q4_1")
+        blocks = q4_1_blocks(raw_q4_1, in_features)
+
+        def planes() -> list[Plane]:
+            codes, d, m = blocks
+            assert m is not None
+            return [(_q4_1_codes(codes, in_features), d, m + _INT4_ZERO_CODE * d)]
+
+        super().__init__(planes, blocks, bias, compute_dtype, "q4_1")
 
 
 class Q8_0Linear(Int4PlanesLinear):
-    """Q8_0 rows as two int4 planes (high and low nibble of `q + 128`; see the module doc)."""
+    """Q8_0 rows: GGUF blocks, or two int4 planes (high and low nibble of `q + 128`; see the
+    module doc)."""
+
+    few_rows_on_blocks = True
 
     def __init__(
         self,
@@ -275,11 +405,16 @@ class Q8_0Linear(Int4PlanesLinear):
             QuantizedWeightError: the bytes are not Q8_0 rows of that length, or the shape
                 does not fit the int4 kernel (see `int4_kernel_fits`).
         """
-        q, d = q8_0_fields(raw_q8_0, in_features)
-        u = q + _Q8_0_OFFSET
-        high = (u >> 4, 16 * d, torch.zeros_like(d))
-        low = (u & 0x0F, d, _INT4_ZERO_CODE * d)
-        super().__init__([high, low], bias, compute_dtype, "q8_0")
+        blocks = q8_0_blocks(raw_q8_0, in_features)
+
+        def planes() -> list[Plane]:
+            u = blocks.codes.to(torch.int32) + _Q8_0_OFFSET
+            d = blocks.d
+            high = (u >> 4, 16 * d, torch.zeros_like(d))
+            low = (u & 0x0F, d, _INT4_ZERO_CODE * d)
+            return [high, low]
+
+        super().__init__(planes, blocks, bias, compute_dtype, "q8_0")
 
 
 def quantized_linear(
