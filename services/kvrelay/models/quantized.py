@@ -51,8 +51,9 @@ _Q8_0_OFFSET = 128  # int8 code + 128 = unsigned 0..255, split into two nibbles
 # One int4 plane: `[out, in]` int32 codes in 0..15, and `[out, in / 32]` fp32 scales, zeros.
 Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 QUANT_KERNEL_ENV = "KVRELAY_CPU_QUANT_KERNEL"  # "auto" (ours where it builds) or "torch"
-# From this many rows on, the block kernel's multiply-adds cost more than dequantizing the
-# layer and running oneDNN's dense matmul (`benchmarks/quantized_decode.py --layers`).
+# From this many rows on, the few-row kernels' multiply-adds (torch's int4, the Q8_0 block
+# loop) cost more than dequantizing the layer and running oneDNN's dense matmul
+# (`benchmarks/quantized_decode.py --layers`: at 16 rows about even, at 64 rows 2-3x apart).
 DENSE_FROM_ROWS = 32
 DENSE_SLICE_ROWS = 4096  # output rows dequantized at a time for that (a few MB)
 
@@ -220,14 +221,15 @@ class Int4PlanesLinear(nn.Module):
 
     Where kvrelay's CPU block kernel builds (`block_kernel()`), the layer keeps the weight's
     GGUF blocks, and from `DENSE_FROM_ROWS` rows on (a prefill chunk) dequantizes them to
-    `compute_dtype` for the call and multiplies densely (oneDNN; 10x torch's int4 kernel at
-    512 rows). Fewer rows go through
-    - torch's packed int4 CPU matmul over the sum of int4 planes (Q4_1; both kernels where
-      the block kernel cannot build): activations computed in `compute_dtype` (bf16 is its
+    `compute_dtype` for the call and multiplies densely (oneDNN; 6-13x torch's int4 kernel
+    at 512 rows). Fewer rows go through
+    - torch's packed int4 CPU matmul over the sum of int4 planes (Q4_1, and both formats
+      where the block kernel cannot build): activations computed in `compute_dtype` (bf16 is its
       fast path; fp32 is about 20x slower, kept for checking), scales and zeros held in
       `compute_dtype` (in bf16 that rounds them, fp16 in the file, to bf16's 8-bit
       mantissa: the one error besides summation order). For Q4_1 it was faster at one row
-      than our block loop on a 2-core Xeon (22 vs 14 G weights/s), so it stays.
+      than our block loop on a 2-core Xeon (22 vs 14 G weights/s), so it stays; a Q4_1
+      layer then holds its codes twice (torch's packing and the blocks), ~1.1 bytes a weight.
     - the block kernel's own loop (Q8_0): exact weights, fp32 sums, the output rounded once;
       as fast as torch's two int4 planes there, and no second copy of the weight.
     The codes are buffers outside the state dict: the layer is built from a GGUF, never saved.
