@@ -247,11 +247,17 @@ def layer_table(repeats: int) -> list[str]:
 def _both_kernels(kind: type[Any], raw: torch.Tensor, k: int) -> tuple[Any, Any]:
     """The layer over `raw` with torch's int4 kernel alone, and as served (kvrelay's block
     kernel where it builds)."""
+    from kvrelay.models.quantized import QUANT_KERNEL_ENV
+
+    before = os.environ.get(QUANT_KERNEL_ENV)
     layers = []
     for kernel in ("torch", "auto"):
-        os.environ["KVRELAY_CPU_QUANT_KERNEL"] = kernel
+        os.environ[QUANT_KERNEL_ENV] = kernel
         layers.append(kind(raw, k, None, torch.bfloat16))
-    del os.environ["KVRELAY_CPU_QUANT_KERNEL"]
+    if before is None:  # the decode configurations run under the caller's choice
+        del os.environ[QUANT_KERNEL_ENV]
+    else:
+        os.environ[QUANT_KERNEL_ENV] = before
     return layers[0], layers[1]
 
 
