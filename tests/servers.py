@@ -4,6 +4,7 @@ for until /health answers 200, stopped with SIGTERM (the draining shutdown)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import ssl
@@ -15,11 +16,25 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Ports the kernel hands out for port 0 (its ip_local_port_range, 32768-60999 by default) are
+# the ones Ray's raylet, object manager and core workers bind while a server starts up, and
+# Ray's worker ports are 10002-19999: a port drawn from between the two cannot be taken by
+# them in the moment between the draw and the server's bind (a colocated `kvrelay serve` once
+# failed to bind its gRPC port that way).
+_UNCLAIMED_PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port that was free a moment ago, from outside the ranges Ray binds in."""
+    for _ in range(200):
+        port = random.choice(_UNCLAIMED_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {_UNCLAIMED_PORTS} after 200 tries")
 
 
 @dataclass

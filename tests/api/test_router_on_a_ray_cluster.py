@@ -35,17 +35,11 @@ RAY_ENV = {
 }
 
 
-def high_free_port() -> int:
-    while (port := free_port()) < 20000:
-        pass
-    return port
-
-
 @pytest.fixture
 def ray_head() -> Iterator[str]:
     # A short temp dir: Ray's unix socket paths must fit in 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
-    port = high_free_port()  # below 20000 Ray's worker ports would collide with it
+    port = free_port()
     ray = Path(sys.executable).parent / "ray"
     resources = json.dumps({"kvrelay_prefill": 1, "kvrelay_decode": 1})
     head = subprocess.Popen(
@@ -59,8 +53,8 @@ def ray_head() -> Iterator[str]:
             f"--resources={resources}",
             "--include-dashboard=false",
             f"--temp-dir={temp_dir}",
-            f"--ray-client-server-port={high_free_port()}",
-            f"--dashboard-agent-listen-port={high_free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -9,7 +9,6 @@ import dataclasses
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tarfile
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from tests.benchmarks.scripts import load_script
+from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "serve_compare.py"
@@ -429,12 +429,6 @@ json.dump({{"duration": 0.5, "completed": int(value("--num-prompts")), "failed":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stand_in_peers(tmp_path: Path) -> Path:
     """A peers folder whose vLLM counts as installed: the fake client and the ready mark."""
     root = tmp_path / "peers" / "vllm-cpu"
@@ -450,7 +444,7 @@ def test_the_sweep_measures_each_server_and_survives_a_broken_one(
     script: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def http_server(args, key: str):
-        port = _free_port()
+        port = free_port()
         command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
         return script.ServerSpec("stand-in server", command, f"http://127.0.0.1:{port}", "/")
 

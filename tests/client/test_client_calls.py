@@ -4,7 +4,6 @@ no re-send after the first token, deadlines, metadata and health. Fast; no model
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import grpc
@@ -21,16 +20,10 @@ from kvrelay.client import (
     UnavailableError,
 )
 from tests.client.fake_server import Answer, Fail, FakeServer
+from tests.servers import free_port
 
 FAST = RetryPolicy(max_retries=3, initial_backoff=0.01, max_backoff=0.05)
 UNAVAILABLE = Fail(grpc.StatusCode.UNAVAILABLE, "draining")
-
-
-def _free_port() -> int:
-    # Bound and closed at once: nothing listens there for the test's short life.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -132,7 +125,7 @@ def test_unreachable_server_retries_then_raises_unavailable() -> None:
     events: list[RetryEvent] = []
     policy = RetryPolicy(initial_backoff=0.1, jitter=0.0)
     client = Client(
-        f"127.0.0.1:{_free_port()}", max_retries=2, retry_policy=policy, on_retry=events.append
+        f"127.0.0.1:{free_port()}", max_retries=2, retry_policy=policy, on_retry=events.append
     )
     start = time.monotonic()
     with client, pytest.raises(UnavailableError):
@@ -140,7 +133,7 @@ def test_unreachable_server_retries_then_raises_unavailable() -> None:
     elapsed = time.monotonic() - start
     assert [e.delay for e in events] == [pytest.approx(0.1), pytest.approx(0.2)]
     assert elapsed >= 0.3  # both backoff sleeps happened
-    assert not Client(f"127.0.0.1:{_free_port()}", timeout=1.0).health()
+    assert not Client(f"127.0.0.1:{free_port()}", timeout=1.0).health()
 
 
 def test_api_key_and_request_fields_are_sent(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from tests.deploy.dashboards import queries, substitute
+from tests.servers import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -39,12 +39,6 @@ MUST_HAVE_DATA = {
     "KV cache usage per pool",
     "Pool workers vs planner target",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,7 @@ def operator_metrics_port() -> Iterator[int]:
         metrics.signal.labels(*labels, "ttft").set(0.4)
         metrics.target.labels(*labels, "ttft").set(0.5)
         metrics.decisions.labels(*labels, "up", "AboveTarget").inc()
-    port = _free_port()
+    port = free_port()
     httpd, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
     yield port
     httpd.shutdown()
@@ -102,7 +96,7 @@ scrape_configs:
         labels: {{namespace: kvrelay-system}}
 """
     )
-    port = _free_port()
+    port = free_port()
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen(
         [
