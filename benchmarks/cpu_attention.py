@@ -2,9 +2,11 @@
 """kvrelay's C++ CPU decode attention against the torch reference (gather + SDPA), same run.
 
 One query token per sequence over the paged, block-major KV cache with shuffled block tables,
-in the default model's head shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16);
-median microseconds per layer call and the ratio, fp32 and bf16. A decode step calls it once
-per layer (30 for the default model).
+in the default model's head shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16, 30
+layers); median microseconds per layer call and the ratio, fp32 and bf16. Each timed call
+sweeps every layer in turn, as a decode step does: a step's keys and values do not fit in the
+CPU's caches, so this is the time a step sees (with its KV read rate). "one layer again" is the
+kernel on one layer called back to back, its keys and values in cache: the arithmetic alone.
 
     .venv/bin/python benchmarks/cpu_attention.py --threads 1
     .venv/bin/python benchmarks/cpu_attention.py --shapes 16x1024,64x512 --repeats 31
@@ -13,6 +15,7 @@ per layer (30 for the default model).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -43,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--group", type=int, default=3, help="query heads per KV head")
     add("--head-dim", type=int, default=64)
     add("--block-size", type=int, default=16)
+    add("--layers", type=int, default=30, help="layers in the cache, swept per timed call")
     return parser
 
 
@@ -68,24 +72,39 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure(args: argparse.Namespace, seqs: int, context: int, dtype: torch.dtype) -> str:
-    """One table row: the kernel's and the reference's median, and their ratio."""
+    """One table row: per layer, the kernel's and the reference's median over a sweep of
+    every layer, their ratio, the kernel's KV read rate, and the kernel on one cached layer."""
     batch = make_paged_batch(
-        [context] * seqs, [1] * seqs, args.block_size, args.kv_heads, args.group, args.head_dim
+        [context] * seqs,
+        [1] * seqs,
+        args.block_size,
+        args.kv_heads,
+        args.group,
+        args.head_dim,
+        num_layers=args.layers,
     )
     query, kv_cache = batch.query.to(dtype), batch.kv_cache.to(dtype)
     tables, lens, qsl = batch.block_tables, batch.seq_lens, batch.query_start_loc
     plan = build_plan(tables, lens, qsl, args.block_size)
     scale = args.head_dim**-0.5
 
-    def ours() -> object:
-        return cpu_backend.paged_attention(query, kv_cache, 0, tables, lens, qsl, scale, plan=plan)
+    def sweep(attention: Callable[..., object]) -> Callable[[], object]:
+        def every_layer() -> None:
+            for layer in range(args.layers):
+                attention(query, kv_cache, layer, tables, lens, qsl, scale, plan=plan)
 
-    def theirs() -> object:
-        return reference.paged_attention(query, kv_cache, 0, tables, lens, qsl, scale, plan=plan)
+        return every_layer
 
-    kernel, ref = median_us(ours, args.repeats), median_us(theirs, args.repeats)
+    kernel = median_us(sweep(cpu_backend.paged_attention), args.repeats) / args.layers
+    ref = median_us(sweep(reference.paged_attention), args.repeats) / args.layers
+    one_layer = functools.partial(cpu_backend.paged_attention, query, kv_cache, 0, tables)
+    cached = median_us(lambda: one_layer(lens, qsl, scale, plan=plan), args.repeats)
+    kv_bytes = seqs * context * 2 * args.kv_heads * args.head_dim * kv_cache.element_size()
     name = str(dtype).removeprefix("torch.")
-    return f"| {seqs} x {context} | {name} | {kernel:.0f} | {ref:.0f} | {ref / kernel:.2f}x |"
+    return (
+        f"| {seqs} x {context} | {name} | {kernel:.0f} | {ref:.0f} | {ref / kernel:.2f}x "
+        f"| {kv_bytes / kernel / 1e3:.1f} | {cached:.0f} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| sequences x context | dtype | kernel us | reference us | speed-up |")
-    print("|---|---|---:|---:|---:|")
+    print(f"{args.layers} layers swept per call; microseconds per layer")
+    print(
+        "| sequences x context | dtype | kernel us | reference us | speed-up "
+        "| kernel KV read GB/s | kernel, one layer again, us |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for seqs, context in parse_shapes(args.shapes):
         for dtype in dtypes:
             print(measure(args, seqs, context, dtype), flush=True)

@@ -22,7 +22,11 @@ def test_shapes_parse_and_bad_ones_say_the_form() -> None:
 @pytest.mark.skipif(not cpu_backend.is_available(), reason="the CPU kernel does not build here")
 def test_it_prints_one_row_per_case(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_script(SCRIPT)
-    assert bench.main(["--shapes", "2x40", "--repeats", "2", "--threads", "1"]) == 0
+    argv = ["--shapes", "2x40", "--repeats", "2", "--threads", "1", "--layers", "3"]
+    assert bench.main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 x 40")]
     assert [row.split("|")[2].strip() for row in rows] == ["float32", "bfloat16"]
-    assert all(row.rstrip(" |").endswith("x") for row in rows)
+    for row in rows:
+        kernel, ref, ratio, rate, cached = (cell.strip() for cell in row.split("|")[3:8])
+        assert ratio.endswith("x") and float(ratio[:-1]) > 0
+        assert float(kernel) > 0 and float(ref) > 0 and float(rate) > 0 and float(cached) > 0

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -79,6 +83,22 @@ def test_kv_heads_split_or_together_give_the_same_output(threads: int) -> None:
         batch.query, batch.kv_cache, 1, tables, lens, qsl, 0.125, plan=plan
     )
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("objdump") is None,
+    reason="reads x86 machine code with objdump",
+)
+def test_the_built_kernel_asks_for_the_next_block_ahead() -> None:
+    """GCC's vectorizer once deleted every __builtin_prefetch of this kernel (its loop of
+    prefetches was vectorized into an empty one), silently: decode attention then waited on
+    memory at every block, at half its speed. The built code must hold the instructions."""
+    module = cpu_backend.load_extension()
+    assert module is not None and module.__file__ is not None
+    code = subprocess.run(
+        ["objdump", "-d", module.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    assert code.count("prefetcht0") >= 2  # at least one per dtype the kernel is built for
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

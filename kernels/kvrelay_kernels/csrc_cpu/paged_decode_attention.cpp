@@ -192,17 +192,39 @@ void accumulate_values(const Shape& s, const float* probs, const T* values, int6
   }
 }
 
-// Prefetch a block's keys and values of the heads [h0, h0 + heads), `count` tokens (a cache
-// line at a time; with every head of a token taken, the span is contiguous).
+// A cache line asked for ahead of its use. Spelled out in assembly on x86: GCC's vectorizer
+// deletes __builtin_prefetch from the loops it vectorizes, and a loop of nothing but prefetches
+// is one (this kernel's prefetch loop compiled to an empty loop: a decode step's attention ran
+// at a third of the memory bandwidth, waiting on every block).
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// Part `part` of `parts` of a block's keys and values of the heads [h0, h0 + heads), as the
+// attention of the block before it goes on. Asked for a part at a time: a whole block's 192
+// lines asked at once overflow the core's few outstanding-miss slots and most are dropped
+// (measured on a 2-core EPYC, 16 sequences of 200 tokens, bf16, every layer in turn: 169 us a
+// layer without prefetching, 137 asking for the whole block at once, 99 in parts; 81 with the
+// keys and values in cache).
 template <typename T>
-void prefetch_block(const Shape& s, const T* block, int64_t h0, int64_t heads, int64_t count) {
+void prefetch_part(const Shape& s, const T* block, int64_t h0, int64_t heads, int64_t part,
+                   int64_t parts) {
   constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t j = 0; j < count; ++j) {
-    const T* first = block + j * s.token_stride + h0 * s.head_dim;
-    for (int64_t d = 0; d < heads * s.head_dim; d += kLine) {
-      __builtin_prefetch(first + d);
-      __builtin_prefetch(first + s.kv_stride + d);
-    }
+  if (heads == s.kv_heads) {  // every head: the block's keys then values, one span
+    const int64_t span = 2 * s.kv_stride;
+    const int64_t begin = part * span / parts, end = (part + 1) * span / parts;
+    for (int64_t o = begin - begin % kLine; o < end; o += kLine) prefetch_line(block + o);
+    return;
+  }
+  const int64_t rows = 2 * s.block_size, width = heads * s.head_dim;  // (K or V, token) rows
+  for (int64_t r = part * rows / parts; r < (part + 1) * rows / parts; ++r) {
+    const T* row = block + (r / s.block_size) * s.kv_stride + (r % s.block_size) * s.token_stride +
+                   h0 * s.head_dim;
+    for (int64_t d = 0; d < width; d += kLine) prefetch_line(row + d);
   }
 }
 
@@ -259,21 +281,26 @@ void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, 
     const int64_t count = std::min(block_size, context - start);
     const T* block = cache + tables[seq * s.max_blocks + start / block_size] * s.block_stride +
                      s.layer_offset;
-    if (start + block_size < context) {
-      // Blocks lie anywhere in the cache, so the hardware prefetcher loses the thread at every
-      // block: ask for the next one's keys and values while this one is computed.
-      const int64_t next = tables[seq * s.max_blocks + start / block_size + 1];
-      prefetch_block(s, cache + next * s.block_stride + s.layer_offset, h0, heads,
-                     std::min(block_size, context - start - block_size));
-    }
+    // Blocks lie anywhere in the cache, so the hardware prefetcher loses the thread at every
+    // block: the next one's keys and values are asked for in parts while this one is computed.
+    const T* next = nullptr;
+    if (start + block_size < context)
+      next = cache + tables[seq * s.max_blocks + start / block_size + 1] * s.block_stride +
+             s.layer_offset;
+    // Three parts per tile: with two, an fp32 block's parts were 64 lines and lost a tenth.
+    const int64_t parts = heads * ((count + kTile - 1) / kTile) * 3;
+    int64_t part = 0;
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t off = i * group;  // the first query head of KV head h0 + i, in the item
       for (int64_t j0 = 0; j0 < count; j0 += kTile) {
         const int64_t n = std::min(kTile, count - j0);
         const T* keys = block + j0 * s.token_stride + (h0 + i) * head_dim;
         float* acc = w.acc.data() + off * head_dim;
+        if (next) prefetch_part(s, next, h0, heads, part++, parts);
         score_tile(s, w.qf.data() + off * head_dim, keys, n, scale, w.part.data(), w.probs.data());
+        if (next) prefetch_part(s, next, h0, heads, part++, parts);
         softmax_update(s, w.probs.data(), n, w.m.data() + off, w.l.data() + off, acc);
+        if (next) prefetch_part(s, next, h0, heads, part++, parts);
         accumulate_values(s, w.probs.data(), keys + s.kv_stride, n, acc);
       }
     }
