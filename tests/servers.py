@@ -4,37 +4,23 @@ for until /health answers 200, stopped with SIGTERM (the draining shutdown)."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Ports the kernel hands out for port 0 (its ip_local_port_range, 32768-60999 by default) are
-# the ones Ray's raylet, object manager and core workers bind while a server starts up, and
-# Ray's worker ports are 10002-19999: a port drawn from between the two cannot be taken by
-# them in the moment between the draw and the server's bind (a colocated `kvrelay serve` once
-# failed to bind its gRPC port that way).
-_UNCLAIMED_PORTS = range(20000, 32768)
+from tests.benchmarks.scripts import load_script
 
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago, from outside the ranges Ray binds in."""
-    for _ in range(200):
-        port = random.choice(_UNCLAIMED_PORTS)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port in {_UNCLAIMED_PORTS} after 200 tries")
+# One port policy for tests and benchmarks: benchmarks/serving/servers.py explains the range.
+free_port: Callable[[], int] = load_script(
+    Path(__file__).resolve().parents[1] / "benchmarks" / "serving" / "servers.py"
+).free_port
 
 
 @dataclass
