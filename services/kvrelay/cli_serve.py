@@ -9,7 +9,6 @@ finds them (or, with --manage-workers, starts one per `kvrelay_<role>` resource 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import signal
@@ -264,7 +263,7 @@ def _kv_secret(ns: argparse.Namespace) -> Any:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from kvrelay.api.platform import ready_message, run_router
+    from kvrelay.api.platform import ready_message, run_event_loop, run_router
     from kvrelay.router.workers import WorkerRegistry
     from kvrelay.worker.pools import Pools
 
@@ -308,7 +307,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         await run_router(registry, engine_args, _router_options(ns), server_config, ready)
 
     try:
-        asyncio.run(main())
+        run_event_loop(main())
     finally:
         pools.shutdown()
     print("kvrelay: stopped", flush=True)
@@ -318,7 +317,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_router(ns: argparse.Namespace) -> int:
     import ray
 
-    from kvrelay.api.platform import ready_message, run_router
+    from kvrelay.api.platform import ready_message, run_event_loop, run_router
     from kvrelay.router.discovery import NAMESPACE, WorkerManager, discover_workers
     from kvrelay.router.workers import WorkerRegistry
 
@@ -342,7 +341,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
             registry, engine_args, _router_options(ns), server_config, ready, background
         )
 
-    asyncio.run(main())
+    run_event_loop(main())
     return 0
 
 
