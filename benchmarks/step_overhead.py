@@ -2,10 +2,13 @@
 """What serving costs on top of the engine: one stream's offline decode step time against its
 time per output token through `kvrelay serve`, per dtype, measured in one run (issue 15).
 
-For each dtype the offline engine (kvrelay.llm.LLM, in this process) decodes one greedy stream
-and every decode step is timed; then `kvrelay serve` (disaggregated and/or colocated) is
-started with the same model and dtype and the same stream is sent over HTTP; its TPOT is the
-time from the first to the last token over the tokens in between. Medians of --repeats runs.
+For each dtype and serving mode `kvrelay serve` is started with the same model and dtype, and
+--repeats pairs are run back to back: the offline engine (kvrelay.llm.LLM, in this process,
+the server idle meanwhile) decodes one greedy stream and every decode step is timed, then the
+same stream is sent to the server over HTTP and its TPOT is the time from the first to the
+last token over the tokens in between. Each pair's ratio is TPOT / median step; the table
+gives the medians. Pairing matters on a shared host, whose speed drifts by 20-40% within
+minutes: an offline figure taken minutes before the served one says little about it.
 The target: serving TPOT within 10% of the offline step (a ratio <= 1.10).
 
     .venv/bin/python benchmarks/step_overhead.py
@@ -42,35 +45,47 @@ class Row:
     offline_ms: float  # median decode step of the offline engine
     mode: str
     tpot_ms: float  # median time per output token through the server
-
-    @property
-    def ratio(self) -> float:
-        return self.tpot_ms / self.offline_ms
+    ratio: float  # median of the paired runs' TPOT / step
 
 
-def offline_step_ms(model: str | None, dtype: str, tokens: int, repeats: int) -> float:
-    """Median wall time of one decode step of a single greedy stream, engine only."""
-    from kvrelay import SamplingParams
-    from kvrelay.llm import LLM
+class OfflineStream:
+    """One greedy stream at a time through the offline engine, in this process."""
 
-    llm = LLM(model, dtype=dtype)
-    engine = llm.engine
-    prompt = llm.get_tokenizer().encode(PROMPT)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    steps: list[float] = []
-    for run in tqdm(range(repeats + 1), desc=f"offline {dtype}", unit="run"):
-        engine.add_request(f"offline-{run}", prompt, params)
+    def __init__(self, model: str | None, dtype: str, tokens: int) -> None:
+        from kvrelay import SamplingParams
+        from kvrelay.llm import LLM
+
+        self.llm = LLM(model, dtype=dtype)
+        self.prompt = self.llm.get_tokenizer().encode(PROMPT)
+        self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        self._runs = 0
+        self.step_ms()  # the first run warms caches and oneDNN's primitives
+
+    def step_ms(self) -> float:
+        """Median wall time of one decode step of a fresh stream, engine only."""
+        engine = self.llm.engine
+        self._runs += 1
+        engine.add_request(f"offline-{self._runs}", self.prompt, self.params)
         engine.step()  # the prefill step (and its first token) is not a decode step
         times = []
         while engine.has_unfinished_requests():
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
-        if run:  # the first run warms caches and oneDNN's primitives
-            steps.append(statistics.median(times))
-    del llm, engine
-    gc.collect()
-    return 1000 * statistics.median(steps)
+        return 1000 * statistics.median(times)
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
+
+
+def offline_step_ms(model: str | None, dtype: str, tokens: int, repeats: int) -> float:
+    """Median over `repeats` streams of the offline engine's decode step time."""
+    stream = OfflineStream(model, dtype, tokens)
+    try:
+        return statistics.median(stream.step_ms() for _ in range(repeats))
+    finally:
+        stream.close()
 
 
 def served_tpot_ms(base_url: str, tokens: int) -> float:
@@ -130,14 +145,20 @@ def cpu_ms_per_token(root: int, base_url: str, tokens: int, streams: int) -> dic
     return {name: 1000 * s / tokens for name, s in sorted(spent.items()) if s > 0}
 
 
-def serving_tpot_ms(args: argparse.Namespace, dtype: str, mode: str, log_dir: Path) -> float:
+def paired_row(
+    args: argparse.Namespace, dtype: str, mode: str, offline: OfflineStream | None, log_dir: Path
+) -> Row:
+    """--repeats (offline step, served TPOT) pairs, back to back, against one server."""
     kvrelay_bin = shutil.which("kvrelay") or str(Path(sys.executable).parent / "kvrelay")
     spec = kvrelay_spec(f"kvrelay {mode} {dtype}", kvrelay_bin, mode == "colocated",
                         args.model, ("--dtype", dtype))  # fmt: skip
+    steps: list[float] = []
+    tpots: list[float] = []
     with RunningServer(spec, log_dir, ready_timeout=300) as server:
         served_tpot_ms(server.spec.base_url, 8)  # warm-up
-        progress = tqdm(range(args.repeats), desc=f"serving {mode} {dtype}", unit="run")
-        runs = [served_tpot_ms(server.spec.base_url, args.tokens) for _ in progress]
+        for _ in tqdm(range(args.repeats), desc=f"{mode} {dtype}", unit="pair"):
+            steps.append(offline.step_ms() if offline is not None else float("nan"))
+            tpots.append(served_tpot_ms(server.spec.base_url, args.tokens))
         assert server._process is not None
         for streams in args.cpu_profile:
             cpu = cpu_ms_per_token(server._process.pid, server.spec.base_url, args.tokens, streams)
@@ -146,13 +167,15 @@ def serving_tpot_ms(args: argparse.Namespace, dtype: str, mode: str, log_dir: Pa
             print(
                 f"CPU ms per token, {mode} {dtype}, {streams} streams: {shown} (total {total:.1f})"
             )
-    return statistics.median(runs)
+    ratios = [tpot / step for step, tpot in zip(steps, tpots, strict=True)]
+    median = statistics.median
+    return Row(dtype, median(steps), mode, median(tpots), median(ratios))
 
 
 def table(rows: list[Row]) -> str:
     lines = [
         "| dtype | offline step (ms) | serving mode | serving TPOT (ms) | overhead (ms) "
-        "| TPOT / step |",
+        "| TPOT / step (paired) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -172,7 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated serving modes: disaggregated, colocated")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="offline/served pairs per row (medians)")  # fmt: skip
     parser.add_argument("--cpu-profile", type=lambda v: [int(n) for n in v.split(",")], default=[],
                         metavar="STREAMS",
                         help="also print CPU ms per output token per server process at these "
@@ -192,14 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as logs:
         for dtype in args.dtypes:
-            offline = (
-                float("nan")
-                if args.skip_offline
-                else offline_step_ms(args.model, dtype, args.tokens, args.repeats)
-            )
-            for mode in args.modes:
-                tpot = serving_tpot_ms(args, dtype, mode, Path(logs))
-                rows.append(Row(dtype, offline, mode, tpot))
+            offline = None if args.skip_offline else OfflineStream(args.model, dtype, args.tokens)
+            rows += [paired_row(args, dtype, mode, offline, Path(logs)) for mode in args.modes]
+            if offline is not None:
+                offline.close()
     print(table(rows))
     return 0
 

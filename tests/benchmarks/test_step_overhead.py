@@ -38,13 +38,26 @@ def test_unknown_mode_is_refused(script: ModuleType) -> None:
 
 
 def test_table_reports_overhead_and_ratio(script: ModuleType) -> None:
-    text = script.table([script.Row("float32", 20.0, "colocated", 25.0)])
-    assert "| float32 | 20.0 | colocated | 25.0 | +5.0 | 1.25x |" in text
+    # The ratio is the median of the paired runs' ratios, not the ratio of the medians.
+    text = script.table([script.Row("float32", 20.0, "colocated", 25.0, 1.2)])
+    assert "| float32 | 20.0 | colocated | 25.0 | +5.0 | 1.20x |" in text
 
 
 def test_offline_step_is_timed_on_the_embedded_model(script: ModuleType) -> None:
     step_ms = script.offline_step_ms(None, "float32", tokens=6, repeats=1)
     assert 0.1 < step_ms < 10_000
+
+
+def test_offline_streams_run_one_after_another_on_one_engine(script: ModuleType) -> None:
+    """The paired runs reuse one engine: each stream finishes and frees its blocks."""
+    stream = script.OfflineStream(None, "float32", tokens=4)
+    engine = stream.llm.engine
+    free = engine.kv_cache.num_free_blocks
+    steps = [stream.step_ms() for _ in range(2)]
+    assert all(0.1 < ms < 10_000 for ms in steps)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == free
+    stream.close()
 
 
 @pytest.mark.e2e
