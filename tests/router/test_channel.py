@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError
 
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import ChannelItem
-from kvrelay.router.channel import Channels, Inbox, WorkerChannel
+from kvrelay.router.channel import ChannelClosedError, Channels, Inbox, WorkerChannel
 from kvrelay.router.local import local_router
 from kvrelay.router.relay import RelayConfig
 from kvrelay.router.types import GenerateRequest
@@ -165,4 +165,21 @@ async def test_a_batch_of_several_steps_still_streams_one_chunk_per_step() -> No
     tokens = [t for chunk in chunks for c in chunk.choices for t in c.token_ids]
     assert tokens == model_tokens(prompt, 24)
     router.relay.channels.close()
+    ray.kill(actor)
+
+
+async def test_closing_the_channels_stops_their_pumps_and_aborts_the_streams() -> None:
+    """At shutdown the router closes its channels: every stream hears of it at once, the
+    pump threads have left Ray before close returns, and the worker frees the requests."""
+    actor = _fake(step_s=0.02)
+    channels = Channels()
+    channel = channels.of("w", actor)
+    inbox = await _start(channel, "long", [2, 7], 1000)
+    assert not isinstance(await asyncio.wait_for(inbox.get(), WAIT_S), BaseException)
+    channels.close()
+    assert not channel._pump.is_alive()
+    while not isinstance(item := inbox.get_nowait(), BaseException):
+        assert item.delta is not None  # deltas already delivered, then the error
+    assert isinstance(item, ChannelClosedError)
+    assert (await _whole(actor)).whole  # closing the channel aborted the request there
     ray.kill(actor)

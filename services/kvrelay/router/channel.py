@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -79,6 +80,10 @@ class WorkerChannel:
 
             ray.cancel(self._stream)
 
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the pump thread to end (after `stop`)."""
+        self._pump.join(timeout_s)
+
     @property
     def streams(self) -> int:
         return len(self._inboxes)
@@ -136,6 +141,12 @@ class Channels:
         return channel
 
     def close(self) -> None:
-        for channel in self._by_worker.values():
-            channel.stop()
+        """Stop every channel, and wait (briefly) for the pumps to leave Ray, so that a Ray
+        shutdown right after never meets one inside `ray.get`."""
+        channels = list(self._by_worker.values())
         self._by_worker.clear()
+        for channel in channels:
+            channel.stop()
+        deadline = time.monotonic() + 2 * PUMP_WAKE_S
+        for channel in channels:
+            channel.join(max(0.0, deadline - time.monotonic()))
