@@ -79,15 +79,6 @@ class OfflineStream:
         gc.collect()
 
 
-def offline_step_ms(model: str | None, dtype: str, tokens: int, repeats: int) -> float:
-    """Median over `repeats` streams of the offline engine's decode step time."""
-    stream = OfflineStream(model, dtype, tokens)
-    try:
-        return statistics.median(stream.step_ms() for _ in range(repeats))
-    finally:
-        stream.close()
-
-
 def served_tpot_ms(base_url: str, tokens: int) -> float:
     """One streamed completion's time per output token after the first, in ms."""
     payload = {"prompt": PROMPT, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
