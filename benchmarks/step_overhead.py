@@ -13,6 +13,7 @@ The target: serving TPOT within 10% of the offline step (a ratio <= 1.10).
 
     .venv/bin/python benchmarks/step_overhead.py
     .venv/bin/python benchmarks/step_overhead.py --dtypes float32 --modes colocated --repeats 5
+    .venv/bin/python benchmarks/step_overhead.py --dtypes bfloat16 --quantization q4_1
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ MODES = ("disaggregated", "colocated")
 
 @dataclass(frozen=True)
 class Row:
-    dtype: str
+    dtype: str  # and the weights' quantization, when there is one ("bfloat16, q4_1")
     offline_ms: float  # median decode step of the offline engine
     mode: str
     tpot_ms: float  # median time per output token through the server
@@ -51,11 +52,13 @@ class Row:
 class OfflineStream:
     """One greedy stream at a time through the offline engine, in this process."""
 
-    def __init__(self, model: str | None, dtype: str, tokens: int) -> None:
+    def __init__(
+        self, model: str | None, dtype: str, tokens: int, quantization: str = "none"
+    ) -> None:
         from kvrelay import SamplingParams
         from kvrelay.llm import LLM
 
-        self.llm = LLM(model, dtype=dtype)
+        self.llm = LLM(model, dtype=dtype, quantization=quantization)
         self.prompt = self.llm.get_tokenizer().encode(PROMPT)
         self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         self._runs = 0
@@ -141,13 +144,15 @@ def paired_row(
 ) -> Row:
     """--repeats (offline step, served TPOT) pairs, back to back, against one server."""
     kvrelay_bin = shutil.which("kvrelay") or str(Path(sys.executable).parent / "kvrelay")
-    spec = kvrelay_spec(f"kvrelay {mode} {dtype}", kvrelay_bin, mode == "colocated",
-                        args.model, ("--dtype", dtype))  # fmt: skip
+    flags = ("--dtype", dtype, "--quantization", args.quantization)
+    label = weights_label(dtype, args.quantization)
+    spec = kvrelay_spec(f"kvrelay {mode} {label}", kvrelay_bin, mode == "colocated",
+                        args.model, flags)  # fmt: skip
     steps: list[float] = []
     tpots: list[float] = []
     with RunningServer(spec, log_dir, ready_timeout=300) as server:
         served_tpot_ms(server.spec.base_url, 8)  # warm-up
-        for _ in tqdm(range(args.repeats), desc=f"{mode} {dtype}", unit="pair"):
+        for _ in tqdm(range(args.repeats), desc=f"{mode} {label}", unit="pair"):
             steps.append(offline.step_ms() if offline is not None else float("nan"))
             tpots.append(served_tpot_ms(server.spec.base_url, args.tokens))
         assert server._process is not None
@@ -156,11 +161,16 @@ def paired_row(
             shown = ", ".join(f"{name} {ms:.1f}" for name, ms in cpu.items())
             total = sum(cpu.values())
             print(
-                f"CPU ms per token, {mode} {dtype}, {streams} streams: {shown} (total {total:.1f})"
+                f"CPU ms per token, {mode} {label}, {streams} streams: {shown} (total {total:.1f})"
             )
     ratios = [tpot / step for step, tpot in zip(steps, tpots, strict=True)]
     median = statistics.median
-    return Row(dtype, median(steps), mode, median(tpots), median(ratios))
+    return Row(label, median(steps), mode, median(tpots), median(ratios))
+
+
+def weights_label(dtype: str, quantization: str) -> str:
+    """How a row names its weights: the dtype, and the quantization when there is one."""
+    return dtype if quantization == "none" else f"{dtype}, {quantization}"
 
 
 def table(rows: list[Row]) -> str:
@@ -185,6 +195,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated serving modes: disaggregated, colocated")  # fmt: skip
+    parser.add_argument("--quantization", default="none", choices=("none", "q4_1", "q8_0"),
+                        help="weights kept quantized, offline and served alike (q4_1: the "
+                             "default model's source GGUF)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     parser.add_argument("--repeats", type=int, default=5,
                         help="offline/served pairs per row (medians)")  # fmt: skip
@@ -207,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as logs:
         for dtype in args.dtypes:
-            offline = None if args.skip_offline else OfflineStream(args.model, dtype, args.tokens)
+            offline = (
+                None
+                if args.skip_offline
+                else OfflineStream(args.model, dtype, args.tokens, args.quantization)
+            )
             rows += [paired_row(args, dtype, mode, offline, Path(logs)) for mode in args.modes]
             if offline is not None:
                 offline.close()

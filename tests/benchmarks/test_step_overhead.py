@@ -27,7 +27,7 @@ def test_help_names_the_options() -> None:
         [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    for flag in ("--dtypes", "--modes", "--tokens", "--repeats", "--model"):
+    for flag in ("--dtypes", "--modes", "--tokens", "--repeats", "--model", "--quantization"):
         assert flag in out.stdout
 
 
@@ -35,6 +35,14 @@ def test_unknown_mode_is_refused(script: ModuleType) -> None:
     with pytest.raises(SystemExit):
         script.parse_args(["--modes", "colocated,sideways"])
     assert script.parse_args(["--modes", "colocated"]).modes == ["colocated"]
+
+
+def test_quantization_names_the_rows_and_is_checked(script: ModuleType) -> None:
+    assert script.parse_args([]).quantization == "none"
+    assert script.weights_label("float32", "none") == "float32"
+    assert script.weights_label("bfloat16", "q4_1") == "bfloat16, q4_1"
+    with pytest.raises(SystemExit):
+        script.parse_args(["--quantization", "q2_k"])
 
 
 def test_table_reports_overhead_and_ratio(script: ModuleType) -> None:
@@ -53,6 +61,16 @@ def test_offline_streams_run_one_after_another_on_one_engine(script: ModuleType)
     assert all(0.1 < ms < 10_000 for ms in steps)
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache.num_free_blocks == free
+    stream.close()
+
+
+def test_an_offline_stream_runs_the_quantized_weights(script: ModuleType) -> None:
+    from kvrelay.models.quantized import Int4Linear
+
+    stream = script.OfflineStream(None, "float32", tokens=3, quantization="q4_1")
+    model = stream.llm.engine.runner.model
+    assert any(isinstance(m, Int4Linear) for m in model.modules())
+    assert 0.1 < stream.step_ms() < 10_000
     stream.close()
 
 
