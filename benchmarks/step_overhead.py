@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from kvrelay.models.quantized_loading import QUANTIZATIONS
 from serving.servers import RunningServer, kvrelay_spec
 
 PROMPT = "The history of the printing press begins"
@@ -195,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated serving modes: disaggregated, colocated")  # fmt: skip
-    parser.add_argument("--quantization", default="none", choices=("none", "q4_1", "q8_0"),
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                         help="weights kept quantized, offline and served alike (q4_1: the "
                              "default model's source GGUF)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
