@@ -1,6 +1,6 @@
 """GGUF Q4_1 and Q8_0 weight blocks on the CPU (csrc_cpu/block_quant_matmul.cpp): exact
-dequantization to a dense weight, and Q8_0's matmul with each block dequantized in registers
-(the weight stays 8.5 bits each in memory, the arithmetic is fp32).
+dequantization to a dense weight, and the matmul of either format with each block dequantized
+in registers (the weight stays 5 or 8.5 bits each in memory, the arithmetic is fp32).
 
 `kvrelay.models.quantized` calls these when the extension builds; otherwise it runs torch's
 packed int4 kernel alone.
@@ -18,8 +18,8 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 
 
 def load_block_quant_ops() -> ModuleType | None:
-    """The compiled module (`q8_0_matmul`, `q4_1_dequantize`, `q8_0_dequantize`), built on the
-    first call; None where it cannot be built."""
+    """The compiled module (`q4_1_matmul`, `q8_0_matmul`, `q4_1_dequantize`,
+    `q8_0_dequantize`), built on the first call; None where it cannot be built."""
     return load_cpu_extension(
         "kvrelay_cpu_block_quant", "block_quant_matmul.cpp", _FLAGS, "CPU Q4_1/Q8_0 matmul"
     )

@@ -1,6 +1,6 @@
 """The CPU block kernel (csrc_cpu/block_quant_matmul.cpp) against gguf's own dequantization:
-both formats' dense weights, Q8_0's matmul at every tile shape, bf16 rounding, refusals, and
-the AVX2 and plain x86-64 builds of the same source."""
+both formats' dense weights and matmuls at every tile shape, bf16 rounding, refusals, and the
+AVX2 and plain x86-64 builds of the same source."""
 
 from __future__ import annotations
 
@@ -48,7 +48,11 @@ def _weight(fmt: str, out: int, inp: int, seed: int) -> tuple[GgufBlocks, torch.
 def _matmul(
     ops: ModuleType, blocks: GgufBlocks, x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    out: torch.Tensor = ops.q8_0_matmul(x, blocks.codes, blocks.d, bias)
+    out: torch.Tensor
+    if blocks.m is not None:
+        out = ops.q4_1_matmul(x, blocks.codes, blocks.d, blocks.m, bias)
+    else:
+        out = ops.q8_0_matmul(x, blocks.codes, blocks.d, bias)
     return out
 
 
@@ -61,10 +65,13 @@ def _dequantize(ops: ModuleType, blocks: GgufBlocks, dtype: torch.dtype) -> torc
     return out
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out_rows", [4, 7, 36])  # whole 4-row tiles, a remainder, both
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 31])  # input tiles of 4, 2 and 1
-def test_fp32_equals_the_dequantized_matmul(ops: ModuleType, out_rows: int, rows: int) -> None:
-    blocks, weight = _weight("q8_0", out_rows, 96, seed=rows * 100 + out_rows)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 31])  # input tiles of 8, 4, 2 and 1
+def test_fp32_equals_the_dequantized_matmul(
+    ops: ModuleType, fmt: str, out_rows: int, rows: int
+) -> None:
+    blocks, weight = _weight(fmt, out_rows, 96, seed=rows * 100 + out_rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen)
     bias = torch.randn(out_rows, generator=gen)
@@ -75,8 +82,9 @@ def test_fp32_equals_the_dequantized_matmul(ops: ModuleType, out_rows: int, rows
         torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_input_rounds_the_fp32_result_once(ops: ModuleType) -> None:
-    blocks, _ = _weight("q8_0", 64, 128, seed=5)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_input_rounds_the_fp32_result_once(ops: ModuleType, fmt: str) -> None:
+    blocks, _ = _weight(fmt, 64, 128, seed=5)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 128, generator=gen).bfloat16()
     bias = torch.randn(64, generator=gen).bfloat16()
@@ -114,6 +122,10 @@ def test_bad_arguments_are_refused(ops: ModuleType) -> None:
         ops.q4_1_dequantize(q4.codes.view(torch.int8), q4.d, q4.m, torch.float32)
     with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
         ops.q4_1_dequantize(q4.codes, q4.d, q4.m[:, :1].contiguous(), torch.float32)
+    with pytest.raises(RuntimeError, match=r"\[rows, in_features\]"):
+        ops.q4_1_matmul(torch.zeros(2, 96), q4.codes, q4.d, q4.m, None)
+    with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
+        ops.q4_1_matmul(torch.zeros(2, 64), q4.codes.view(torch.int8), q4.d, q4.m, None)
 
 
 @pytest.mark.parametrize(
@@ -137,13 +149,14 @@ def test_other_instruction_sets_compute_the_same(
         verbose=False,
     )
     gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 128, generator=gen)
     for fmt in FORMATS:
         blocks, weight = _weight(fmt, 36, 128, seed=11)
         assert torch.equal(_dequantize(other, blocks, torch.bfloat16), weight.bfloat16())
-    blocks, weight = _weight("q8_0", 36, 128, seed=11)
-    x = torch.randn(5, 128, generator=gen)
-    mine, theirs = _matmul(ops, blocks, x), _matmul(other, blocks, x)
-    if exact:
-        assert torch.equal(theirs, mine)
-    else:
-        torch.testing.assert_close(theirs, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        # Sums in 16 logical lanes whatever the vector width: the same bits on every CPU
+        # with FMA (AVX-512 builds included; this machine's may be either).
+        mine, theirs = _matmul(ops, blocks, x), _matmul(other, blocks, x)
+        if exact:
+            assert torch.equal(theirs, mine)
+        else:
+            torch.testing.assert_close(theirs, F.linear(x, weight), rtol=1e-5, atol=1e-5)

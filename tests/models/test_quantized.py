@@ -113,15 +113,43 @@ def test_many_rows_run_the_dequantized_weight_densely(dtype: torch.dtype) -> Non
     layer = Int4Linear(raw, 128, bias, dtype)
     if layer.ops is None:
         pytest.skip("the CPU block kernel did not build here")
-    assert "few rows=torch int4, from 32 rows=kvrelay dequantized, dense" in repr(layer)
+    few = "kvrelay blocks" if Int4Linear.few_rows_on_blocks(dtype) else "torch int4"
+    assert f"few rows={few}, from 32 rows=kvrelay dequantized, dense" in repr(layer)
     assert torch.equal(layer.dequantized(), dequantize_q4_1(raw, 128).to(dtype))
     x = torch.randn(DENSE_FROM_ROWS, 128, generator=torch.Generator().manual_seed(4)).to(dtype)
     with torch.inference_mode():
         out = layer(x)
         assert torch.equal(out, F.linear(x, layer.dequantized(), layer.bias))
-        # One row fewer takes torch's int4 kernel: the same values up to its rounding.
+        # One row fewer takes the few-row kernel: the same values up to its rounding.
         fewer = layer(x[:-1])
     torch.testing.assert_close(fewer.float(), out[:-1].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "native_bf16", "on_blocks"),
+    [
+        (torch.float32, True, True),  # torch's int4 kernel is ~20x slower in fp32
+        (torch.float32, False, True),
+        (torch.bfloat16, True, False),  # its bf16 path wins where bf16 is native
+        (torch.bfloat16, False, True),  # and loses to the block loop on AVX2
+    ],
+)
+def test_q4_1_few_rows_take_torch_int4_only_in_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, native_bf16: bool, on_blocks: bool
+) -> None:
+    monkeypatch.setattr("kvrelay.models.quantized.cpu_has_native_bf16", lambda: native_bf16)
+    assert Int4Linear.few_rows_on_blocks(dtype) is on_blocks
+    layer = Int4Linear(_q4_1(_random_weight(32, 64, 2)), 64, None, dtype)
+    if layer.ops is None:
+        pytest.skip("the CPU block kernel did not build here")
+    assert layer.blocks_for_few_rows is on_blocks
+    assert hasattr(layer, "int4") is not on_blocks  # no second copy of the codes when unused
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.inference_mode():
+        out = layer(x)
+    expected = F.linear(x.float(), dequantize_q4_1(_q4_1(_random_weight(32, 64, 2)), 64))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_a_large_weight_is_dequantized_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:

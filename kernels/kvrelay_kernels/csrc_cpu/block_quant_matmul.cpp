@@ -10,13 +10,17 @@
 // is added to the fp32 sum and the output rounded once, to the input's dtype. One allocation
 // per call (the output): a decode step makes a hundred of these calls.
 //
-// The loops are written with GCC vector types: 16 fp32 lanes, one AVX-512 register (two AVX2
-// ones where that is all the CPU has; -march=native picks). A tile of NT output rows x MT
-// input rows keeps NT * MT accumulators in registers: each block's weights are dequantized
-// once per tile and used MT times, each input vector loaded once and used NT times.
+// The loops are written with GCC vector types of the CPU's own width: 16 fp32 lanes (AVX-512),
+// 8 (AVX2) or 4; -march=native picks. (A 16-lane type on an AVX2 CPU is lowered piecewise,
+// every scalar splat through the stack: 0.5 G weights/s on a 2-core AVX2 EPYC.) Sums are kept
+// in 16 logical lanes whatever the width, element e of a block in lane e % 16, and summed by
+// one tree at the end, so every build gives the same bits. A tile of NT output rows x MT input
+// rows keeps its sums in registers: each block's weights are dequantized once per tile and
+// used MT times.
 //
-// Q4_1 has the dequantization only: on a 2-core Xeon this loop ran Q4_1 at 14 G weights/s at
-// one row against 22 for torch's int4 kernel, which the layers therefore keep for few rows.
+// Q4_1's loop runs where the activations are fp32: torch's int4 kernel is ~20x slower there
+// than in bf16. In bf16 the layers keep torch's kernel for few rows (on a 2-core Xeon this
+// loop ran Q4_1 at 14 G weights/s at one row against 22 for torch's).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -33,8 +37,20 @@ namespace {
 constexpr int64_t kBlock = 32;  // weights per block in both formats
 constexpr int64_t kQ41CodeBytes = 16;  // 32 4-bit codes: byte j holds element j (low), j + 16
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+constexpr int kSumLanes = 16;                   // logical lanes of every sum (see the top)
+constexpr int kSumVecs = kSumLanes / kLanes;    // native vectors per sum
+constexpr int kBlockVecs = kBlock / kLanes;     // native vectors per block
+constexpr int kHalfVecs = kBlockVecs / 2;       // native vectors per 16 weights
+
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline vfloat load_floats(const float* p) {
   vfloat v;
@@ -42,7 +58,7 @@ inline vfloat load_floats(const float* p) {
   return v;
 }
 
-// 16 bytes widened to 16 int32 lanes, zero- or sign-extended. GCC lowers
+// kLanes bytes widened to int32 lanes, zero- or sign-extended. GCC lowers
 // __builtin_convertvector from bytes one lane at a time, so the widening is spelled out.
 template <bool kSigned>
 inline vint widen(const void* bytes) {
@@ -52,41 +68,41 @@ inline vint widen(const void* bytes) {
   const __m512i wide = kSigned ? _mm512_cvtepi8_epi32(in) : _mm512_cvtepu8_epi32(in);
   std::memcpy(&out, &wide, sizeof out);
 #elif defined(__AVX2__)
-  const auto* p = static_cast<const uint8_t*>(bytes);
-  __m256i halves[2];
-  for (int i = 0; i < 2; ++i) {
-    const __m128i in = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
-    halves[i] = kSigned ? _mm256_cvtepi8_epi32(in) : _mm256_cvtepu8_epi32(in);
-  }
-  std::memcpy(&out, halves, sizeof out);
+  const __m128i in = _mm_loadl_epi64(static_cast<const __m128i*>(bytes));
+  const __m256i wide = kSigned ? _mm256_cvtepi8_epi32(in) : _mm256_cvtepu8_epi32(in);
+  std::memcpy(&out, &wide, sizeof out);
 #else
   const auto* p = static_cast<const uint8_t*>(bytes);
-  for (int i = 0; i < 16; ++i) out[i] = kSigned ? static_cast<int8_t>(p[i]) : p[i];
+  for (int i = 0; i < kLanes; ++i) out[i] = kSigned ? static_cast<int8_t>(p[i]) : p[i];
 #endif
   return out;
 }
 
-inline float lane_sum(vfloat v) {
-  float lanes[16];
-  std::memcpy(lanes, &v, sizeof v);
-  for (int width = 8; width > 0; width /= 2) {
+// The 16 logical lanes of a sum added as a tree (halves, then quarters, ...).
+inline float lane_sum(const vfloat (&sum)[kSumVecs]) {
+  float lanes[kSumLanes];
+  std::memcpy(lanes, sum, sizeof lanes);
+  for (int width = kSumLanes / 2; width > 0; width /= 2) {
     for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
   }
   return lanes[0];
 }
 
-// One output row's block `b` as two vectors: elements 0-15 (`lo`) and 16-31 (`hi`).
+// One output row's block `b` as kBlockVecs vectors, in element order.
 struct Q41Rows {
   const uint8_t* codes;  // [N, K / 2]
   const float* d;        // [N, K / 32]
   const float* m;        // [N, K / 32]
   int64_t blocks;        // K / 32
 
-  inline void block(int64_t row, int64_t b, vfloat& lo, vfloat& hi) const {
-    const vint q = widen<false>(codes + (row * blocks + b) * kQ41CodeBytes);
+  inline void block(int64_t row, int64_t b, vfloat (&w)[kBlockVecs]) const {
+    const uint8_t* at = codes + (row * blocks + b) * kQ41CodeBytes;
     const float scale = d[row * blocks + b], offset = m[row * blocks + b];
-    lo = __builtin_convertvector(q & 15, vfloat) * scale + offset;
-    hi = __builtin_convertvector(q >> 4, vfloat) * scale + offset;
+    for (int v = 0; v < kHalfVecs; ++v) {
+      const vint q = widen<false>(at + v * kLanes);
+      w[v] = __builtin_convertvector(q & 15, vfloat) * scale + offset;
+      w[v + kHalfVecs] = __builtin_convertvector(q >> 4, vfloat) * scale + offset;
+    }
   }
 };
 
@@ -95,13 +111,14 @@ struct Q80Rows {
   const float* d;       // [N, K / 32]
   int64_t blocks;
 
-  inline void block(int64_t row, int64_t b, vfloat& lo, vfloat& hi) const {
+  inline void block(int64_t row, int64_t b, vfloat (&w)[kBlockVecs]) const {
     const int8_t* at = codes + (row * blocks + b) * kBlock;
     // Asked ahead: without it the Q4_1 loop of this kind waited on memory (half its speed).
     __builtin_prefetch(at + 1024);
     const float scale = d[row * blocks + b];
-    lo = __builtin_convertvector(widen<true>(at), vfloat) * scale;
-    hi = __builtin_convertvector(widen<true>(at + 16), vfloat) * scale;
+    for (int v = 0; v < kBlockVecs; ++v) {
+      w[v] = __builtin_convertvector(widen<true>(at + v * kLanes), vfloat) * scale;
+    }
   }
 };
 
@@ -126,19 +143,17 @@ struct Output {
 template <typename Rows, int NT, int MT>
 inline void tile(const Rows& w, const float* x, int64_t k, int64_t n0, int64_t m0,
                  const Output& out) {
-  vfloat acc[NT][MT] = {};
+  vfloat acc[NT][MT][kSumVecs] = {};
   for (int64_t b = 0; b < w.blocks; ++b) {
-    vfloat x_lo[MT], x_hi[MT];
-    for (int t = 0; t < MT; ++t) {
-      x_lo[t] = load_floats(x + (m0 + t) * k + b * kBlock);
-      x_hi[t] = load_floats(x + (m0 + t) * k + b * kBlock + 16);
-    }
     for (int r = 0; r < NT; ++r) {
-      vfloat lo, hi;
-      w.block(n0 + r, b, lo, hi);
+      vfloat weights[kBlockVecs];
+      w.block(n0 + r, b, weights);
       for (int t = 0; t < MT; ++t) {
-        acc[r][t] += lo * x_lo[t];  // one fused multiply-add each (-ffp-contract=fast)
-        acc[r][t] += hi * x_hi[t];
+        const float* xb = x + (m0 + t) * k + b * kBlock;
+        for (int v = 0; v < kBlockVecs; ++v) {
+          // Element e into logical lane e % 16; one fused multiply-add (-ffp-contract=fast).
+          acc[r][t][v % kSumVecs] += weights[v] * load_floats(xb + v * kLanes);
+        }
       }
     }
   }
@@ -148,11 +163,18 @@ inline void tile(const Rows& w, const float* x, int64_t k, int64_t n0, int64_t m
 }
 
 // Output rows [n0, n1) for every input row: the weights of a tile stay in cache while the
-// input rows go by.
+// input rows go by. NT x MT sums of kSumVecs registers each must fit the register file: with
+// AVX-512's 32 registers tiles of 4 x 4 (or 1 x 8); with AVX2's 16, 4 x 1 for one input row
+// and 1 x 4 for more (1 x 4 dequantizes a block once per four rows, 4 x 1 once per row).
 template <typename Rows, int NT>
 void output_rows(const Rows& w, const float* x, int64_t rows, int64_t k, int64_t n0, int64_t n1,
                  const Output& out) {
-  constexpr int kInputTile = NT >= 4 ? 4 : 8;  // NT * MT accumulators stay under 20 registers
+  constexpr bool kWide = kLanes == 16;
+  if (!kWide && NT > 1 && rows > 1) {
+    output_rows<Rows, 1>(w, x, rows, k, n0, n1, out);
+    return;
+  }
+  constexpr int kInputTile = kWide ? (NT >= 4 ? 4 : 8) : (NT >= 4 ? 1 : 4);
   for (int64_t r = n0; r < n1; r += NT) {
     int64_t m0 = 0;
     for (; m0 + kInputTile <= rows; m0 += kInputTile) {
@@ -209,10 +231,10 @@ torch::Tensor dequantize(const Rows& w, int64_t n, int64_t k, at::ScalarType dty
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t b = 0; b < w.blocks; ++b) {
-        vfloat halves[2];
-        w.block(row, b, halves[0], halves[1]);
+        vfloat weights[kBlockVecs];
+        w.block(row, b, weights);
         float values[kBlock];
-        std::memcpy(values, halves, sizeof values);
+        std::memcpy(values, weights, sizeof values);
         const int64_t at = row * k + b * kBlock;
         if (fp32 != nullptr) {
           std::memcpy(fp32 + at, values, sizeof values);
@@ -272,6 +294,12 @@ torch::Tensor q8_0_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   return block_matmul(q8_0_rows(codes, d), x, codes.size(0), bias);
 }
 
+torch::Tensor q4_1_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& d, const torch::Tensor& m,
+                          const c10::optional<torch::Tensor>& bias) {
+  return block_matmul(q4_1_rows(codes, d, m), x, codes.size(0), bias);
+}
+
 torch::Tensor q4_1_dequantize(const torch::Tensor& codes, const torch::Tensor& d,
                               const torch::Tensor& m, at::ScalarType dtype) {
   return dequantize(q4_1_rows(codes, d, m), codes.size(0), codes.size(1) * 2, dtype);
@@ -284,6 +312,7 @@ torch::Tensor q8_0_dequantize(const torch::Tensor& codes, const torch::Tensor& d
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q8_0_matmul", &q8_0_matmul, "x @ W.T over GGUF Q8_0 blocks (+ bias)");
+  module.def("q4_1_matmul", &q4_1_matmul, "x @ W.T over GGUF Q4_1 blocks (+ bias)");
   module.def("q4_1_dequantize", &q4_1_dequantize, "GGUF Q4_1 blocks as a dense [out, in] weight");
   module.def("q8_0_dequantize", &q8_0_dequantize, "GGUF Q8_0 blocks as a dense [out, in] weight");
 }

@@ -19,9 +19,10 @@ a bf16 dense matmul, and 10-30% slower at 1 row; `benchmarks/quantized_decode.py
 
 Where kvrelay's CPU extension builds, the layers also keep the GGUF blocks as they are (codes,
 and the fp16 constants as fp32) for `kvrelay_kernels.cpu_quantized`: batches of many rows
-(prefill) dequantize the layer and run the dense matmul, and Q8_0's few-row batches run its
-loop, which dequantizes each block in registers and sums in fp32 (exact weights: only the
-order of the sums differs from the dequantized fp32 matmul). See `Int4PlanesLinear`.
+(prefill) dequantize the layer and run the dense matmul, and few-row batches (Q8_0 always,
+Q4_1 unless it computes in native bf16) run its loop, which dequantizes each block in
+registers and sums in fp32 (exact weights: only the order of the sums differs from the
+dequantized fp32 matmul). See `Int4PlanesLinear`.
 `KVRELAY_CPU_QUANT_KERNEL=torch` runs torch's int4 kernel alone (for comparisons).
 """
 
@@ -30,12 +31,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import ClassVar, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.models.cpu_features import cpu_has_native_bf16
 from kvrelay_kernels.cpu_quantized import load_block_quant_ops
 
 QUANT_BLOCK = 32  # weights per block in both formats (and the int4 kernel's group size)
@@ -223,20 +225,21 @@ class Int4PlanesLinear(nn.Module):
     GGUF blocks, and from `DENSE_FROM_ROWS` rows on (a prefill chunk) dequantizes them to
     `compute_dtype` for the call and multiplies densely (oneDNN; 6-13x torch's int4 kernel
     at 512 rows). Fewer rows go through
-    - torch's packed int4 CPU matmul over the sum of int4 planes (Q4_1, and both formats
-      where the block kernel cannot build): activations computed in `compute_dtype` (bf16 is its
-      fast path; fp32 is about 20x slower, kept for checking), scales and zeros held in
-      `compute_dtype` (in bf16 that rounds them, fp16 in the file, to bf16's 8-bit
-      mantissa: the one error besides summation order). For Q4_1 it was faster at one row
-      than our block loop on a 2-core Xeon (22 vs 14 G weights/s), so it stays; a Q4_1
-      layer then holds its codes twice (torch's packing and the blocks), ~1.1 bytes a weight.
-    - the block kernel's own loop (Q8_0): exact weights, fp32 sums, the output rounded once;
-      as fast as torch's two int4 planes there, and no second copy of the weight.
+    - the block kernel's own loop (Q8_0 always; Q4_1 unless `compute_dtype` is bf16 on a CPU
+      that computes bf16 natively): exact weights, fp32 sums, the output rounded once. For
+      Q8_0 as fast as torch's two int4 planes, with no second copy of the weight. For Q4_1
+      in fp32 12-17x torch's int4 kernel (whose fp32 path is ~20x slower than its bf16 one),
+      and on a 2-core AVX2 EPYC 1.5x torch's kernel in bf16 too (8 vs 5 G weights/s at one
+      row; `benchmarks/quantized_decode.py --layers`).
+    - otherwise torch's packed int4 CPU matmul over the sum of int4 planes (and both formats
+      where the block kernel cannot build): activations in `compute_dtype`, scales and zeros
+      held in `compute_dtype` (in bf16 that rounds them, fp16 in the file, to bf16's 8-bit
+      mantissa: the one error besides summation order). With native bf16 it beat the loop
+      on a 2-core Xeon (22 vs 14 G weights/s at one row); a Q4_1 layer then holds its codes
+      twice (torch's packing and the blocks), ~1.1 bytes a weight.
     The codes are buffers outside the state dict: the layer is built from a GGUF, never saved.
     """
 
-    # Whether rows below DENSE_FROM_ROWS take the block kernel's loop (else torch's int4).
-    few_rows_on_blocks: ClassVar[bool] = False
     bias: torch.Tensor | None
     codes: torch.Tensor  # the GgufBlocks fields, with the block kernel
     d: torch.Tensor
@@ -279,7 +282,7 @@ class Int4PlanesLinear(nn.Module):
         if self.ops is not None:
             for name, value in blocks._asdict().items():
                 self.register_buffer(name, value, persistent=False)
-        self.blocks_for_few_rows = self.ops is not None and self.few_rows_on_blocks
+        self.blocks_for_few_rows = self.ops is not None and self.few_rows_on_blocks(compute_dtype)
         if not self.blocks_for_few_rows:
             self.int4 = _TorchInt4Planes(planes(), compute_dtype)
 
@@ -288,13 +291,27 @@ class Int4PlanesLinear(nn.Module):
         if self.ops is not None and x.shape[0] >= DENSE_FROM_ROWS:
             out = self._dense(x.to(self.compute_dtype))
         elif self.blocks_for_few_rows:
-            assert self.ops is not None
-            return cast(torch.Tensor, self.ops.q8_0_matmul(x, self.codes, self.d, self.bias))
+            return self._block_loop(x)
         else:
             out = self.int4.forward(x.to(self.compute_dtype))
             if self.bias is not None:
                 out += self.bias
         return out.to(x.dtype)
+
+    @classmethod
+    def few_rows_on_blocks(cls, compute_dtype: torch.dtype) -> bool:
+        """Whether rows below DENSE_FROM_ROWS take the block kernel's loop (else torch's
+        int4 kernel), where the block kernel builds."""
+        return True
+
+    def _block_loop(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T + bias` by the block kernel's few-row loop, in `x`'s dtype."""
+        assert self.ops is not None
+        if self.m is not None:
+            out = self.ops.q4_1_matmul(x, self.codes, self.d, self.m, self.bias)
+        else:
+            out = self.ops.q8_0_matmul(x, self.codes, self.d, self.bias)
+        return cast(torch.Tensor, out)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T + bias` with W dequantized for this call, `DENSE_SLICE_ROWS` output rows
@@ -361,6 +378,11 @@ class _TorchInt4Planes(nn.Module):
 class Int4Linear(Int4PlanesLinear):
     """Q4_1 rows: GGUF blocks, or one int4 plane with `scale = d`, `zero = m + 8 d`."""
 
+    @classmethod
+    def few_rows_on_blocks(cls, compute_dtype: torch.dtype) -> bool:
+        # torch's int4 kernel wins only in bf16, and only where bf16 is native.
+        return compute_dtype != torch.bfloat16 or not cpu_has_native_bf16()
+
     def __init__(
         self,
         raw_q4_1: torch.Tensor,
@@ -389,8 +411,6 @@ class Int4Linear(Int4PlanesLinear):
 class Q8_0Linear(Int4PlanesLinear):
     """Q8_0 rows: GGUF blocks, or two int4 planes (high and low nibble of `q + 128`; see the
     module doc)."""
-
-    few_rows_on_blocks = True
 
     def __init__(
         self,
