@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from kvrelay.engine.args import EngineArgs
+from kvrelay.worker.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_ray_cluster
 
 SERVE_EPILOG = """\
 examples:
@@ -181,6 +182,7 @@ def build_serve_parsers(commands: Any) -> None:
     EngineArgs.add_cli_args(router)
     add_pool_args(router)
     router.add_argument("--ray-address", required=True, help="e.g. auto or ray://HEAD:10001")
+    _add_join_timeout(router)
     router.add_argument(
         "--manage-workers",
         action="store_true",
@@ -198,6 +200,7 @@ def build_serve_parsers(commands: Any) -> None:
     add_pool_args(worker)
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     worker.add_argument("--ray-address", default="auto", help="the Ray cluster (default auto)")
+    _add_join_timeout(worker)
 
     operator = commands.add_parser(
         "operator",
@@ -208,6 +211,17 @@ def build_serve_parsers(commands: Any) -> None:
     from kvrelay_operator.app import add_operator_arguments
 
     add_operator_arguments(operator)
+
+
+def _add_join_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ray-join-timeout",
+        type=float,
+        default=DEFAULT_JOIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long to wait for the Ray cluster to come up (default "
+        f"{DEFAULT_JOIN_TIMEOUT_S:.0f}; on Kubernetes the head may start after this pod)",
+    )
 
 
 def cmd_operator(ns: argparse.Namespace) -> int:
@@ -315,15 +329,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_router(ns: argparse.Namespace) -> int:
-    import ray
-
     from kvrelay.api.platform import ready_message, run_event_loop, run_router
     from kvrelay.router.discovery import NAMESPACE, WorkerManager, discover_workers
     from kvrelay.router.workers import WorkerRegistry
 
     server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
     engine_args = _engine_args(ns)
-    ray.init(address=ns.ray_address, namespace=NAMESPACE)
+    join_ray_cluster(ns.ray_address, NAMESPACE, ns.ray_join_timeout)
     background = []
     if ns.manage_workers:
         args = {k: v for k, v in dataclasses.asdict(engine_args).items()}
@@ -352,7 +364,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     from kvrelay.worker.pools import spawn_worker
 
     engine_args = _engine_args(ns)
-    ray.init(address=ns.ray_address, namespace=NAMESPACE)
+    join_ray_cluster(ns.ray_address, NAMESPACE, ns.ray_join_timeout)
     name = worker_name(ns.role)
     handle = spawn_worker(
         dataclasses.asdict(engine_args),

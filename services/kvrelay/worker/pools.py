@@ -16,6 +16,7 @@ from kvrelay.messages import EngineStats, Role
 from kvrelay.transfer.auth import KVSecret
 from kvrelay.worker.actor import EngineWorker
 from kvrelay.worker.priority import unniced_ray_env
+from kvrelay.worker.ray_cluster import join_ray_cluster
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class Pools:
                     num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING
                 )
             else:
-                ray.init(address=address)
+                join_ray_cluster(address)
             owns_ray = True
         args = dataclasses.asdict(EngineArgs.from_kwargs(model, dict(engine_kwargs or {})))
         secret = kv_secret or KVSecret.from_env() or KVSecret.generate()
