@@ -112,6 +112,9 @@ SERVERS: dict[str, Server] = {
     "kvrelay-coloc-bf16": _kvrelay(True, "bfloat16"),
     "kvrelay-disagg-q4_1": _kvrelay(False, "bfloat16", "q4_1"),
     "kvrelay-coloc-q4_1": _kvrelay(True, "bfloat16", "q4_1"),
+    # Where bf16 is emulated (AVX2 only) the Q4_1 weights run best with fp32 activations.
+    "kvrelay-disagg-q4_1-fp32": _kvrelay(False, "float32", "q4_1"),
+    "kvrelay-coloc-q4_1-fp32": _kvrelay(True, "float32", "q4_1"),
     "vllm-bf16": _vllm("bfloat16"),
     "vllm-fp32": _vllm("float32"),
     "llama-server-q4_1": Server("llama.cpp", "q4_1", _llama_server),

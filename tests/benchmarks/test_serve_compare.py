@@ -231,6 +231,9 @@ def test_kvrelay_specs_carry_mode_dtype_and_weights(script: ModuleType, args) ->
     assert "--colocated" not in fp32 and "--quantization" not in fp32
     assert fp32[fp32.index("--dtype") + 1] == "float32"
     assert script.SERVERS["kvrelay-disagg-q4_1"].precision == "q4_1"
+    q4_fp32 = script.SERVERS["kvrelay-coloc-q4_1-fp32"]
+    assert q4_fp32.precision == "q4_1"  # compared with llama-server, as the bf16 one is
+    assert "float32" in q4_fp32.build(args, "k").command
 
 
 def test_vllm_spec_is_the_cpu_build_on_the_given_cores(script: ModuleType, args) -> None:

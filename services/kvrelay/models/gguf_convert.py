@@ -218,6 +218,19 @@ def read_gguf_weights(
     return out
 
 
+def read_raw_gguf_tensor(
+    gguf_path: str | Path, gguf_name: str, types: frozenset[str]
+) -> torch.Tensor | None:
+    """The raw blocks (`[rows, bytes per row]` uint8) of the GGUF tensor `gguf_name`, if it
+    is there and of one of `types`; else None."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(Path(gguf_path)).tensors:
+        if tensor.name == gguf_name and tensor.tensor_type.name in types:
+            return torch.from_numpy(np.array(tensor.data, np.uint8))
+    return None
+
+
 def _hf_tensor(
     tensor: Any, name: str, heads: int, kv_heads: int, keep_quantized: frozenset[str]
 ) -> torch.Tensor:

@@ -15,7 +15,11 @@ from safetensors.torch import load_file
 
 from kvrelay.config import ModelConfig
 from kvrelay.models.llama import CausalLM, has_o_proj_bias
-from kvrelay.models.quantized_loading import install_quantized_linears, read_quantized_weights
+from kvrelay.models.quantized_loading import (
+    install_quantized_linears,
+    install_quantized_logits,
+    read_quantized_weights,
+)
 from kvrelay_kernels import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -82,6 +86,8 @@ def load_model(
     install_quantized_linears(model, state, dtype)  # takes the quantized entries from state
     model.load_state_dict(state, strict=True, assign=True)
     assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
+    if quantized is not None:
+        install_quantized_logits(model, quantized[1], dtype)
     # The weights are already there; this moves the RoPE buffers (built on the CPU for
     # bit-exactness with transformers) and is free on the CPU.
     model.to(device)
