@@ -99,9 +99,12 @@ def bench_command(
 
 
 def bench_env(api_key: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The client's environment: ours, plus the key it sends as `Authorization: Bearer`, and
-    no proxy for the loopback servers."""
+    """The client's environment: ours, plus the key it sends as `Authorization: Bearer`, no
+    proxy for the loopback servers, and vLLM's CPU platform: without it vLLM's generic
+    platform loads the AVX512-BF16 build of its kernels, and the client dies of SIGILL on a
+    CPU with AVX2 only."""
     env = dict(os.environ if base is None else base)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if api_key:
         env["OPENAI_API_KEY"] = api_key
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"

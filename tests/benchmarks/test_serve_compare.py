@@ -203,6 +203,8 @@ def test_client_env_carries_the_key_for_the_bearer_header(script: ModuleType) ->
     env = script.bench_env("k3y", {"PATH": "/bin"})
     assert env["OPENAI_API_KEY"] == "k3y" and env["PATH"] == "/bin"
     assert "127.0.0.1" in env["NO_PROXY"]
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"  # vLLM's CPU kernels for this CPU, not AVX-512's
+    assert script.bench_env(None, {"VLLM_TARGET_DEVICE": "cuda"})["VLLM_TARGET_DEVICE"] == "cuda"
 
 
 @pytest.fixture
