@@ -104,3 +104,38 @@ def start_server(
         time.sleep(0.5)
     server.stop()
     raise RuntimeError(f"kvrelay serve did not become healthy in {timeout_s} s:\n{server.log()}")
+
+
+# Ray 2.60 turns token authentication on by default; a cluster started by `ray start` keeps
+# its token where a separate driver process here does not look, so both run without it.
+RAY_NO_AUTH_ENV = {
+    **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+    "RAY_AUTH_MODE": "disabled",
+}
+
+
+def start_ray_head(
+    port: int, temp_dir: str, num_cpus: int, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """`ray start --head --block` on `port` in its own session (kill its process group to
+    stop GCS, raylet and workers together); `temp_dir` must be short (Ray's socket paths)."""
+    ray = Path(sys.executable).parent / "ray"
+    return subprocess.Popen(
+        [
+            str(ray),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--num-cpus={num_cpus}",
+            *extra,
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )

@@ -19,16 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port
+from tests.servers import RAY_NO_AUTH_ENV, free_port, start_ray_head
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-# Ray 2.60 turns token authentication on by default; a cluster started by `ray start` keeps
-# its token where a separate driver process here does not look, so both run without it.
 RAY_ENV = {
-    **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-    "RAY_AUTH_MODE": "disabled",
+    **RAY_NO_AUTH_ENV,
     # The deployment's KV secret in every node's environment, as a Kubernetes Secret puts it:
     # workers the router starts on the cluster read it there.
     "KVRELAY_KV_SECRET": "kvrelay-test-cluster-kv-secret-0123456789",
@@ -40,27 +37,8 @@ def ray_head() -> Iterator[str]:
     # A short temp dir: Ray's unix socket paths must fit in 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
     port = free_port()
-    ray = Path(sys.executable).parent / "ray"
     resources = json.dumps({"kvrelay_prefill": 1, "kvrelay_decode": 1})
-    head = subprocess.Popen(
-        [
-            str(ray),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=2",
-            f"--resources={resources}",
-            "--include-dashboard=false",
-            f"--temp-dir={temp_dir}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=RAY_ENV,
-    )
+    head = start_ray_head(port, temp_dir, 2, RAY_ENV, (f"--resources={resources}",))
     time.sleep(8)  # GCS and raylet up
     assert head.poll() is None, "ray start --head failed"
     yield f"127.0.0.1:{port}"

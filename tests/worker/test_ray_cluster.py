@@ -14,16 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port
+from tests.servers import RAY_NO_AUTH_ENV, free_port, start_ray_head
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-# As in tests/api/test_router_on_a_ray_cluster.py: `ray start` and a separate driver without
-# Ray 2.60's token authentication.
 RAY_ENV = {
-    **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-    "RAY_AUTH_MODE": "disabled",
+    **RAY_NO_AUTH_ENV,
     "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("services", "kernels", ".")),
 }
 
@@ -59,25 +56,7 @@ def test_a_router_started_before_the_head_joins_it_once_it_is_up() -> None:
     time.sleep(4)  # the joiner has found nothing at least once
     assert joiner.poll() is None, joiner.communicate()[0]
     temp_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")  # Ray's socket paths stay short
-    ray = Path(sys.executable).parent / "ray"
-    head = subprocess.Popen(
-        [
-            str(ray),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=1",
-            "--include-dashboard=false",
-            f"--temp-dir={temp_dir}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=RAY_ENV,
-    )
+    head = start_ray_head(port, temp_dir, 1, RAY_ENV)
     try:
         output, _ = joiner.communicate(timeout=170)
     finally:
