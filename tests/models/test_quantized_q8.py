@@ -177,7 +177,9 @@ def q8_0_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _layers(model: Any, kind: type) -> list[Any]:
-    return [m for m in model.modules() if isinstance(m, kind)]
+    """The decoder layers' linears of `kind` (the vocab projection's blocks, when the loader
+    gives it some, are `model.quantized_logits`: tests/models/test_quantized_logits.py)."""
+    return [m for m in model.layers.modules() if isinstance(m, kind)]
 
 
 def test_q8_0_model_equals_its_dequantized_twin(q8_0_folder: Path, paged_kv: Any) -> None:

@@ -70,13 +70,8 @@ def load_model(
     """
     folder = Path(folder)
     config = ModelConfig.from_pretrained(folder)
-    quantized = read_quantized_weights(folder, quantization, config, torch.device(device))
-    if quantized is not None:
-        hf_weights, gguf = quantized
-        source, count = str(gguf), 1
-    else:
-        hf_weights, count = _read_safetensors(folder, torch.device(device))
-        source = str(folder)
+    hf_weights, gguf, count = _read_weights(folder, quantization, config, torch.device(device))
+    source = str(gguf or folder)
     state = convert_hf_state_dict(hf_weights, config, dtype, source=source)
     del hf_weights
     # Built on the meta device: no memory and no random init for weights that the checkpoint
@@ -86,8 +81,8 @@ def load_model(
     install_quantized_linears(model, state, dtype)  # takes the quantized entries from state
     model.load_state_dict(state, strict=True, assign=True)
     assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
-    if quantized is not None:
-        install_quantized_logits(model, quantized[1], dtype)
+    if gguf is not None:
+        install_quantized_logits(model, gguf, dtype)
     # The weights are already there; this moves the RoPE buffers (built on the CPU for
     # bit-exactness with transformers) and is free on the CPU.
     model.to(device)
@@ -95,6 +90,18 @@ def load_model(
     model.requires_grad_(False)
     logger.info("loaded %s from %s (%d files)", config.architecture, source, count)
     return model, config
+
+
+def _read_weights(
+    folder: Path, quantization: str | None, config: ModelConfig, device: torch.device
+) -> tuple[dict[str, torch.Tensor], Path | None, int]:
+    """The checkpoint's HF-named tensors, the GGUF they came from (None for safetensors)
+    and the number of files read."""
+    quantized = read_quantized_weights(folder, quantization, config, device)
+    if quantized is not None:
+        return quantized[0], quantized[1], 1
+    weights, count = _read_safetensors(folder, device)
+    return weights, None, count
 
 
 def _read_safetensors(folder: Path, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
