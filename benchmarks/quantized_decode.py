@@ -11,12 +11,14 @@ Q8_0 with gguf's own quantizer, beside the dequantized safetensors as the exact 
              (Q8_0 through its own loop; from 32 rows on both dequantize and run the dense
              matmul), and torch's int8
              kernel with one scale per row (requantized: NOT exact; its largest weight error
-             relative to the row's largest weight is printed), bf16 activations; median
+             relative to the row's largest weight is printed), and Q4_1 and Q8_0 with int8
+             activations (llama.cpp's scheme, not exact), bf16 activations; median
              microseconds per matmul.
   decode     the offline engine decodes one greedy stream; median wall time of a decode step
              and its tokens/s, per configuration (dtype + quantization).
   --hf       kvrelay's greedy tokens against transformers' in bf16 and fp32.
-  --exact    Q4_1 and Q8_0 weights against their dequantized fp32 models on a few prompts:
+  --exact    Q4_1 and Q8_0 weights (fp32, bf16 and int8 activations) against their
+             dequantized fp32 models on a few prompts:
              greedy text,
              and over prompt + reference continuation (teacher-forced) the top-1 agreement and
              the largest logit difference.
@@ -58,7 +60,8 @@ EXACT_PROMPTS = (
     "In 1969, Neil Armstrong",
     "Translate to French: Good morning, how are you?",
 )
-CONFIGS = ("float32:none", "bfloat16:none", "float32:q4_1", "bfloat16:q4_1", "bfloat16:q8_0")
+CONFIGS = ("float32:none", "bfloat16:none", "float32:q4_1", "bfloat16:q4_1", "bfloat16:q4_1:int8",
+           "bfloat16:q8_0")  # fmt: skip
 # Where the default model's Q8_0 twin is written (once) for the q8_0 configurations.
 Q8_0_FOLDER = Path("/tmp/kvrelay-smollm2-q8_0")
 # Compared with the fp32 model whose weights are the GGUF's dequantized exactly.
@@ -73,9 +76,11 @@ LAYER_SHAPES = {
 }
 
 
-def build_engine(dtype: str, quantization: str, model: Path | None = None) -> Engine:
-    """The offline engine as `EngineArgs.create_engine` builds it, with `quantization`, on
-    `model` (default: the default model)."""
+def build_engine(
+    dtype: str, quantization: str, model: Path | None = None, int8: bool = False
+) -> Engine:
+    """The offline engine as `EngineArgs.create_engine` builds it, with `quantization` (and
+    int8 activations with `int8`), on `model` (default: the default model)."""
     from kvrelay.engine.args import EngineArgs
     from kvrelay.models.loader import load_model
     from kvrelay.models.tokenizer import load_tokenizer
@@ -91,6 +96,7 @@ def build_engine(dtype: str, quantization: str, model: Path | None = None) -> En
         max_positions=config.max_model_len,
         device=config.device,
         quantization=quantization,
+        int8_activations=int8,
     )
     model.prepack()
     return Engine(config, model, load_tokenizer(path))
@@ -208,13 +214,14 @@ def _model(engine: Engine) -> CausalLM:
 
 def layer_table(repeats: int) -> list[str]:
     """Median µs per matmul of the model's shapes, every path side by side."""
+    from kvrelay.models.gguf_blocks import dequantize_q8_0
     from kvrelay.models.layers import linear
-    from kvrelay.models.quantized import Int4Linear, Q8_0Linear, dequantize_q8_0
+    from kvrelay.models.quantized import Int4Linear, Q8_0Linear
 
     rows_out = ["| layer [out, in] | rows | fp32 dense | fp32 packed | bf16 dense | bf16 packed "
                 "| Q4_1 torch int4 | Q4_1 as served | Q8_0 torch 2x int4 "
-                "| Q8_0 as served | int8 per-row (not exact) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                "| Q8_0 as served | int8 per-row (not exact) | Q4_1 int8 act. | Q8_0 int8 act. |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in LAYER_SHAPES.items():
         w = torch.randn(n, k, generator=gen) * 0.05
@@ -223,6 +230,9 @@ def layer_table(repeats: int) -> list[str]:
         p16 = torch.ops.mkldnn._reorder_linear_weight(w16)
         raw, raw8 = _random_q4_1(n, k, gen), _random_q8_0(n, k, gen)
         q4, q8 = _both_kernels(Int4Linear, raw, k), _both_kernels(Q8_0Linear, raw8, k)
+        # int8 activations (llama.cpp's scheme, not exact): the same blocks, integer dots.
+        q4_int8 = Int4Linear(raw, k, None, torch.bfloat16, int8_activations=True)
+        q8_int8 = Q8_0Linear(raw8, k, None, torch.bfloat16, int8_activations=True)
         int8, row_scales, err = _int8_per_row(dequantize_q8_0(raw8, k))
         print(f"{name}: int8 per-row requantization of Q8_0, largest weight error / row max "
               f"{err:.4f}", flush=True)  # fmt: skip
@@ -236,6 +246,8 @@ def layer_table(repeats: int) -> list[str]:
                 partial(_packed, x16, p16),
                 *(partial(layer, x16) for layer in (*q4, *q8)),
                 partial(torch.ops.aten._weight_int8pack_mm, x16, int8, row_scales),
+                partial(q4_int8, x16),
+                partial(q8_int8, x16),
             ]
             cells = [_median_us(call, repeats) for call in calls]
             text = " | ".join(f"{c:.0f}" for c in cells)
@@ -376,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         nargs="*",
         default=list(CONFIGS),
-        help="dtype:quantization pairs to decode with (default: %(default)s)",
+        help="dtype:quantization[:int8] to decode with, :int8 for int8 activations "
+        "(default: %(default)s)",
     )
     parser.add_argument("--tokens", type=int, default=64, help="decode steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (medians)")
@@ -411,11 +424,14 @@ def decode_rows(args: argparse.Namespace) -> list[str]:
     """The decode table: one row per --configs entry, printed as it is measured."""
     rows = ["| weights | activations | ms / decode step | tok/s |", "|---|---|---|---|"]
     for spec in args.configs:
-        dtype, _, quantization = spec.partition(":")
-        engine = build_engine(dtype, quantization or "none", _folder(quantization, args))
+        dtype, _, rest = spec.partition(":")
+        quantization, _, int8 = rest.partition(":")
+        folder = _folder(quantization, args)
+        engine = build_engine(dtype, quantization or "none", folder, int8=bool(int8))
         ms = decode_step_ms(engine, args.tokens, args.repeats)
         weights = WEIGHTS.get(quantization, dtype)
-        rows.append(f"| {weights} | {dtype} | {ms:.1f} | {1000 / ms:.1f} |")
+        activations = "int8 (not exact)" if int8 else dtype
+        rows.append(f"| {weights} | {activations} | {ms:.1f} | {1000 / ms:.1f} |")
         print(rows[-1], flush=True)
         del engine
         gc.collect()
@@ -433,9 +449,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for quantization in args.exact_formats if args.exact else ():
         folder = _folder(quantization, args)
         reference = build_engine("float32", "none", folder)
-        for dtype in ("float32", "bfloat16"):
-            candidate = build_engine(dtype, quantization, folder)
-            print(f"{quantization.upper()} with {dtype} activations vs dequantized fp32:",
+        for dtype, int8 in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+            candidate = build_engine(dtype, quantization, folder, int8)
+            activations = "int8" if int8 else dtype
+            print(f"{quantization.upper()} with {activations} activations vs dequantized fp32:",
                   exactness(reference, candidate, args.exact_tokens), flush=True)  # fmt: skip
             del candidate
             gc.collect()

@@ -62,11 +62,14 @@ class Server:
     build: Callable[[argparse.Namespace, str], ServerSpec]
 
 
-def _kvrelay(colocated: bool, dtype: str, quantization: str | None = None) -> Server:
+def _kvrelay(
+    colocated: bool, dtype: str, quantization: str | None = None, int8: bool = False
+) -> Server:
     def build(args: argparse.Namespace, key: str) -> ServerSpec:
         mode = "colocated" if colocated else "disaggregated"
-        weights = f"{quantization} weights, {dtype}" if quantization else dtype
-        extra = kvrelay_args(colocated, dtype, quantization)
+        activations = "int8 activations" if int8 else dtype
+        weights = f"{quantization} weights, {activations}" if quantization else dtype
+        extra = kvrelay_args(colocated, dtype, quantization, int8)
         extra += ("--served-model-name", SERVED_MODEL)
         return kvrelay_spec(
             f"kvrelay {mode} {weights}",
@@ -115,6 +118,9 @@ SERVERS: dict[str, Server] = {
     # Where bf16 is emulated (AVX2 only) the Q4_1 weights run best with fp32 activations.
     "kvrelay-disagg-q4_1-fp32": _kvrelay(False, "float32", "q4_1"),
     "kvrelay-coloc-q4_1-fp32": _kvrelay(True, "float32", "q4_1"),
+    # int8 activations, llama.cpp's scheme (not exact): its Q4_1 weights meet q8 activations.
+    "kvrelay-disagg-q4_1-int8": _kvrelay(False, "bfloat16", "q4_1", int8=True),
+    "kvrelay-coloc-q4_1-int8": _kvrelay(True, "bfloat16", "q4_1", int8=True),
     "vllm-bf16": _vllm("bfloat16"),
     "vllm-fp32": _vllm("float32"),
     "llama-server-q4_1": Server("llama.cpp", "q4_1", _llama_server),

@@ -67,11 +67,14 @@ def kvrelay_spec(
     return ServerSpec(name, command, f"http://127.0.0.1:{http_port}", "/health", env=env or {})
 
 
-def kvrelay_args(colocated: bool, dtype: str, quantization: str | None) -> tuple[str, ...]:
+def kvrelay_args(
+    colocated: bool, dtype: str, quantization: str | None, int8_activations: bool = False
+) -> tuple[str, ...]:
     """`kvrelay serve`'s flags for one mode, dtype and weight format of the comparison."""
     args: tuple[str, ...] = ("--colocated",) if colocated else ()
     args += ("--dtype", dtype)
-    return args + (("--quantization", quantization) if quantization else ())
+    args += ("--quantization", quantization) if quantization else ()
+    return args + (("--int8-activations",) if int8_activations else ())
 
 
 def vllm_spec(

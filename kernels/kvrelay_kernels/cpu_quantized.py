@@ -23,3 +23,12 @@ def load_block_quant_ops() -> ModuleType | None:
     return load_cpu_extension(
         "kvrelay_cpu_block_quant", "block_quant_matmul.cpp", _FLAGS, "CPU Q4_1/Q8_0 matmul"
     )
+
+
+def load_int8_dot_ops() -> ModuleType | None:
+    """The compiled module of csrc_cpu/int8_dot_matmul.cpp (`q4_1_int8_matmul`,
+    `q8_0_int8_matmul`, `int8_quantize`): the same blocks times activations quantized to int8
+    per 32 values, by integer dot products; None where it cannot be built."""
+    return load_cpu_extension(
+        "kvrelay_cpu_int8_dot", "int8_dot_matmul.cpp", _FLAGS, "CPU int8-activation matmul"
+    )

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from kvrelay.models.quantized import (
+from kvrelay.models.gguf_blocks import (
     GgufBlocks,
     dequantize_q4_1,
     dequantize_q8_0,

@@ -15,15 +15,17 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import save_file
 
 from kvrelay.models import load_model
+from kvrelay.models.gguf_blocks import (
+    QuantizedWeightError,
+    dequantize_q4_1,
+    q4_1_fields,
+)
 from kvrelay.models.gguf_convert import read_gguf_weights
 from kvrelay.models.quantized import (
     DENSE_FROM_ROWS,
     QUANT_KERNEL_ENV,
     Int4Linear,
-    QuantizedWeightError,
-    dequantize_q4_1,
     int4_kernel_fits,
-    q4_1_fields,
 )
 from kvrelay.models.quantized_loading import QuantizationError, find_gguf, read_quantized_weights
 from kvrelay_kernels import select_backend

@@ -16,16 +16,18 @@ from test_quantized import F32, Q4_1, Q8_0, _forward_logits, _random_weight, mak
 
 from kvrelay.config import ModelConfig
 from kvrelay.models import load_model
-from kvrelay.models.layers import Linear
-from kvrelay.models.quantized import (
-    Int4Linear,
-    Int4PlanesLinear,
-    Q8_0Linear,
+from kvrelay.models.gguf_blocks import (
     QuantizedWeightError,
     dequantize,
     dequantize_q8_0,
     q8_0_fields,
     raw_format,
+)
+from kvrelay.models.layers import Linear
+from kvrelay.models.quantized import (
+    Int4Linear,
+    Int4PlanesLinear,
+    Q8_0Linear,
 )
 from kvrelay.models.quantized_loading import (
     QuantizationError,

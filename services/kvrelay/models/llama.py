@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
         quantized = self.quantized_logits
         if quantized is not None and hidden.shape[0] < QUANTIZED_LOGITS_BELOW_ROWS:
-            return cast(torch.Tensor, quantized(hidden))
+            return cast(torch.Tensor, quantized(hidden.float()))  # fp32 in, fp32 logits
         packed = self.packed_logits
         if packed is not None and (hidden.shape[0] > 1 or packed.single_row):
             return packed.forward(hidden).float()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from kvrelay.config import ModelConfig
 from kvrelay.models.llama import CausalLM, has_o_proj_bias
 from kvrelay.models.quantized_loading import (
+    check_int8_activations,
     install_quantized_linears,
     install_quantized_logits,
     read_quantized_weights,
@@ -40,6 +41,7 @@ def load_model(
     max_positions: int | None = None,
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    int8_activations: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the decoder described by `folder/config.json` and load its weights.
 
@@ -56,6 +58,8 @@ def load_model(
             folder's GGUF instead, its Q4_1 matmul weights kept 4-bit (see
             `kvrelay.models.quantized_loading`); "auto" does that when the folder holds a
             GGUF with Q4_1 weights.
+        int8_activations: the quantized layers' few-row steps quantize their inputs to int8
+            and multiply by integer dot products (faster, not exact; needs `quantization`).
 
     Returns:
         The model in eval mode, and its config.
@@ -65,10 +69,11 @@ def load_model(
         kvrelay.config.UnsupportedModelError: the architecture is not Llama or Qwen2.
         MissingWeightError: a weight the config implies is absent from the checkpoint.
         ValueError: the checkpoint holds weights this model has no place for.
-        kvrelay.models.quantized_loading.QuantizationError: the quantization asked for is
-            unknown, or the folder has no GGUF with such weights.
+        kvrelay.models.quantized_loading.QuantizationError: an unknown quantization, no
+            GGUF with such weights in the folder, or int8 activations without either.
     """
     folder = Path(folder)
+    check_int8_activations(quantization, int8_activations)
     config = ModelConfig.from_pretrained(folder)
     hf_weights, gguf, count = _read_weights(folder, quantization, config, torch.device(device))
     source = str(gguf or folder)
@@ -78,16 +83,15 @@ def load_model(
     # replaces right away (`assign=True` adopts the loaded tensors as the parameters).
     with torch.device("meta"):
         model = CausalLM(config, backend, max_positions)
-    install_quantized_linears(model, state, dtype)  # takes the quantized entries from state
+    install_quantized_linears(model, state, dtype, int8_activations)  # pops them from state
     model.load_state_dict(state, strict=True, assign=True)
     assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
     if gguf is not None:
-        install_quantized_logits(model, gguf, dtype)
+        install_quantized_logits(model, gguf, dtype, int8_activations)
     # The weights are already there; this moves the RoPE buffers (built on the CPU for
     # bit-exactness with transformers) and is free on the CPU.
     model.to(device)
-    model.eval()
-    model.requires_grad_(False)
+    model.eval().requires_grad_(False)
     logger.info("loaded %s from %s (%d files)", config.architecture, source, count)
     return model, config
 

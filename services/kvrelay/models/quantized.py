@@ -1,17 +1,15 @@
 """Weight-only quantized linear layers: GGUF Q4_1 and Q8_0 blocks kept as 4-/8-bit codes, run
 by torch's packed int4 CPU matmul (`_weight_int4pack_mm_for_cpu`).
 
-GGUF Q4_1 stores each run of 32 weights along a row as one block of 20 bytes: `d` (fp16),
-`m` (fp16), then 16 bytes of 4-bit codes `q` (byte j: element j in its low nibble, element
-j + 16 in its high nibble); the weight is `d * q + m`. torch's int4 kernel reads codes per
-group along K with `(q - 8) * scale + zero`, so the same weight is `scale = d`,
-`zero = m + 8 * d`: one group per block, no rounding of the codes.
+The blocks (`kvrelay.models.gguf_blocks`): Q4_1's weight is `d * q + m` with 4-bit codes.
+torch's int4 kernel reads codes per group along K with `(q - 8) * scale + zero`, so the same
+weight is `scale = d`, `zero = m + 8 * d`: one group per block, no rounding of the codes.
 
-GGUF Q8_0 blocks are 34 bytes: `d` (fp16) then 32 int8 codes `q`; the weight is `d * q`.
-torch's int8 kernel (`_weight_int8pack_mm`) takes one scale per output row, which cannot hold
-per-block scales, so Q8_0 runs as two int4 planes over the same groups: with
-`u = q + 128 = 16 h + l` (h, l in 0..15), plane h has `scale = 16 d, zero = 0` and plane l
-`scale = d, zero = 8 d`, and `(h - 8) 16 d + (l - 8) d + 8 d = d (16 h + l - 128) = d q`.
+Q8_0's weight is `d * q` with int8 codes. torch's int8 kernel (`_weight_int8pack_mm`) takes
+one scale per output row, which cannot hold per-block scales, so Q8_0 runs as two int4 planes
+over the same groups: with `u = q + 128 = 16 h + l` (h, l in 0..15), plane h has
+`scale = 16 d, zero = 0` and plane l `scale = d, zero = 8 d`, and
+`(h - 8) 16 d + (l - 8) d + 8 d = d (16 h + l - 128) = d q`.
 The layer reads 8 bits per weight; no code is rounded. The planes sit side by side along K
 in one packed weight and the input is repeated to match, so one int4 matmul sums both: in
 bf16 that rounds once, where two calls summed rounded three times (about 1.5x the error of
@@ -24,6 +22,11 @@ Q4_1 unless it computes in native bf16) run its loop, which dequantizes each blo
 registers and sums in fp32 (exact weights: only the order of the sums differs from the
 dequantized fp32 matmul). See `Int4PlanesLinear`.
 `KVRELAY_CPU_QUANT_KERNEL=torch` runs torch's int4 kernel alone (for comparisons).
+
+With `int8_activations` the layers hold the blocks repacked in panels of 16 rows instead
+(`int8_panels`), and few-row batches quantize their activations to int8 per 32 values
+(llama.cpp's scheme) and run integer dot products (`csrc_cpu/int8_dot_matmul.cpp`): faster,
+and NOT exact (opt-in, `--int8-activations`); prefill chunks dequantize the panels exactly.
 """
 
 from __future__ import annotations
@@ -31,20 +34,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import NamedTuple, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.cpu_features import cpu_has_native_bf16
-from kvrelay_kernels.cpu_quantized import load_block_quant_ops
+from kvrelay.models.gguf_blocks import (
+    QUANT_BLOCK,
+    GgufBlocks,
+    QuantizedWeightError,
+    q4_1_blocks,
+    q4_1_codes,
+    q8_0_blocks,
+    raw_format,
+)
+from kvrelay_kernels.cpu_quantized import load_block_quant_ops, load_int8_dot_ops
 
-QUANT_BLOCK = 32  # weights per block in both formats (and the int4 kernel's group size)
-Q4_1_BLOCK = QUANT_BLOCK
-Q4_1_BLOCK_BYTES = 20  # d and m (fp16 each), then 32 4-bit codes
-Q8_0_BLOCK_BYTES = 34  # d (fp16), then 32 int8 codes
-_FORMATS = {Q4_1_BLOCK_BYTES: "Q4_1", Q8_0_BLOCK_BYTES: "Q8_0"}
 # torch's int4 packing requires the output rows in multiples of 16.
 _INT4_ROW_MULTIPLE = 16
 _INT4_ZERO_CODE = 8  # torch's kernel subtracts this from every code
@@ -60,14 +67,6 @@ DENSE_FROM_ROWS = 32
 DENSE_SLICE_ROWS = 4096  # output rows dequantized at a time for that (a few MB)
 
 
-class GgufBlocks(NamedTuple):
-    """A weight as its GGUF blocks, for the block kernel: Q4_1 when `m` is given, else Q8_0."""
-
-    codes: torch.Tensor  # Q4_1: [out, in / 2] uint8 (16 bytes a block); Q8_0: [out, in] int8
-    d: torch.Tensor  # [out, in / 32] fp32 scales
-    m: torch.Tensor | None  # Q4_1: [out, in / 32] fp32 offsets
-
-
 def block_kernel() -> ModuleType | None:
     """The CPU block kernel, unless `KVRELAY_CPU_QUANT_KERNEL=torch` or it cannot be built."""
     choice = os.environ.get(QUANT_KERNEL_ENV, "auto")
@@ -76,140 +75,19 @@ def block_kernel() -> ModuleType | None:
     return load_block_quant_ops() if choice == "auto" else None
 
 
-class QuantizedWeightError(ValueError):
-    """Quantized weight bytes that do not describe a tensor of the expected shape."""
+def int8_dot_kernel() -> ModuleType | None:
+    """The CPU int8-activation kernel (`int8_activations`), where the block kernel is used
+    and it builds."""
+    return load_int8_dot_ops() if block_kernel() is not None else None
 
 
-def _blocks(raw: torch.Tensor, in_features: int, name: str, block_bytes: int) -> torch.Tensor:
-    """`[out, in / 32, block_bytes]` view of rows of `name` blocks, after checking the shape."""
-    blocks = in_features // QUANT_BLOCK
-    if (
-        raw.dtype != torch.uint8
-        or raw.dim() != 2
-        or in_features % QUANT_BLOCK
-        or raw.shape[1] != blocks * block_bytes
-    ):
-        raise QuantizedWeightError(
-            f"{name} data of shape {tuple(raw.shape)} ({raw.dtype}) does not hold rows of "
-            f"{in_features} weights ({blocks} blocks of {block_bytes} bytes); the GGUF does "
-            "not match config.json"
-        )
-    return raw.reshape(raw.shape[0], blocks, block_bytes)
-
-
-def _fp16_field(cells: torch.Tensor, offset: int, name: str) -> torch.Tensor:
-    """`[out, blocks]` fp32 of the fp16 at `offset` of every block, all finite."""
-    rows, blocks = cells.shape[:2]
-    value = cells[..., offset : offset + 2].contiguous().view(torch.float16)
-    value = value.reshape(rows, blocks).float()
-    bad = (~torch.isfinite(value)).nonzero()
-    if len(bad):
-        row, block = bad[0].tolist()
-        raise QuantizedWeightError(
-            f"{name} block {block} of row {row} has a non-finite scale ({value[row, block]}) "
-            f"({len(bad)} such blocks); the GGUF is corrupt, re-download or re-convert it"
-        )
-    return value
-
-
-def q4_1_fields(raw: torch.Tensor, in_features: int) -> tuple[torch.Tensor, ...]:
-    """Split Q4_1 rows into codes and block constants.
-
-    Args:
-        raw: `[out, in / 32 * 20]` uint8, one row of blocks per output row.
-        in_features: the row length in weights (a multiple of 32).
-
-    Returns:
-        `(q, d, m)`: `q` `[out, in]` int32 codes in 0..15; `d`, `m` `[out, in / 32]` fp32.
-
-    Raises:
-        QuantizedWeightError: `raw` is not `[out, in / 32 * 20]` uint8, or a constant is
-            not finite.
-    """
-    codes, d, m = q4_1_blocks(raw, in_features)
-    assert m is not None
-    return _q4_1_codes(codes, in_features), d, m
-
-
-def q4_1_blocks(raw: torch.Tensor, in_features: int) -> GgufBlocks:
-    """Q4_1 rows as `GgufBlocks` (the codes as stored, 16 bytes a block); raises as
-    `q4_1_fields` does."""
-    cells = _blocks(raw, in_features, "Q4_1", Q4_1_BLOCK_BYTES)
-    d, m = _fp16_field(cells, 0, "Q4_1"), _fp16_field(cells, 2, "Q4_1")
-    codes = cells[..., 4:].reshape(raw.shape[0], in_features // 2).contiguous()
-    return GgufBlocks(codes, d, m)
-
-
-def _q4_1_codes(codes: torch.Tensor, in_features: int) -> torch.Tensor:
-    """`[out, in]` int32 codes in element order from `[out, in / 2]` stored bytes."""
-    cells = codes.reshape(codes.shape[0], -1, Q4_1_BLOCK // 2)  # [out, blocks, 16]
-    q = torch.cat((cells & 0x0F, cells >> 4), dim=-1)  # [out, blocks, 32] in element order
-    return q.reshape(codes.shape[0], in_features).to(torch.int32)
-
-
-def q8_0_fields(raw: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split Q8_0 rows into codes and block scales.
-
-    Args:
-        raw: `[out, in / 32 * 34]` uint8, one row of blocks per output row.
-        in_features: the row length in weights (a multiple of 32).
-
-    Returns:
-        `(q, d)`: `q` `[out, in]` int32 codes in -128..127; `d` `[out, in / 32]` fp32.
-
-    Raises:
-        QuantizedWeightError: `raw` is not `[out, in / 32 * 34]` uint8, or a scale is not
-            finite.
-    """
-    codes, d, _ = q8_0_blocks(raw, in_features)
-    return codes.to(torch.int32), d
-
-
-def q8_0_blocks(raw: torch.Tensor, in_features: int) -> GgufBlocks:
-    """Q8_0 rows as `GgufBlocks` (`[out, in]` int8 codes); raises as `q8_0_fields` does."""
-    cells = _blocks(raw, in_features, "Q8_0", Q8_0_BLOCK_BYTES)
-    d = _fp16_field(cells, 0, "Q8_0")
-    q = cells[..., 2:].contiguous().view(torch.int8)  # [out, blocks, 32]
-    return GgufBlocks(q.reshape(raw.shape[0], in_features), d, None)
-
-
-def dequantize_q4_1(raw: torch.Tensor, in_features: int) -> torch.Tensor:
-    """`[out, in]` fp32 weights of Q4_1 rows: `d * q + m` per block (exact in fp32)."""
-    q, d, m = q4_1_fields(raw, in_features)
-    rows = q.shape[0]
-    w = q.float().reshape(rows, -1, QUANT_BLOCK) * d[..., None] + m[..., None]
-    return w.reshape(rows, in_features)
-
-
-def dequantize_q8_0(raw: torch.Tensor, in_features: int) -> torch.Tensor:
-    """`[out, in]` fp32 weights of Q8_0 rows: `d * q` per block (exact in fp32)."""
-    q, d = q8_0_fields(raw, in_features)
-    rows = q.shape[0]
-    return (q.float().reshape(rows, -1, QUANT_BLOCK) * d[..., None]).reshape(rows, in_features)
-
-
-def raw_format(raw: torch.Tensor, in_features: int) -> str:
-    """ "Q4_1" or "Q8_0": which format raw rows of `in_features` weights are, by their width.
-
-    Raises:
-        QuantizedWeightError: the width is neither format's.
-    """
-    blocks = in_features // QUANT_BLOCK
-    block_bytes = raw.shape[-1] // blocks if blocks and raw.shape[-1] % blocks == 0 else 0
-    if in_features % QUANT_BLOCK or block_bytes not in _FORMATS:
-        raise QuantizedWeightError(
-            f"raw rows of {raw.shape[-1]} bytes hold {in_features} weights in neither Q4_1 "
-            f"({Q4_1_BLOCK_BYTES} bytes per {QUANT_BLOCK}) nor Q8_0 ({Q8_0_BLOCK_BYTES}); "
-            "the GGUF does not match config.json"
-        )
-    return _FORMATS[block_bytes]
-
-
-def dequantize(raw: torch.Tensor, in_features: int) -> torch.Tensor:
-    """`[out, in]` fp32 weights of raw Q4_1 or Q8_0 rows (see `raw_format`)."""
-    if raw_format(raw, in_features) == "Q8_0":
-        return dequantize_q8_0(raw, in_features)
-    return dequantize_q4_1(raw, in_features)
+def int8_panels(ops: ModuleType, blocks: GgufBlocks) -> GgufBlocks:
+    """`blocks` repacked for the int8 kernel (`ops`): panels of 16 rows, fp16 scales
+    (`[out / 16, ...]` each; see csrc_cpu/int8_dot_matmul.cpp)."""
+    if blocks.m is not None:
+        return GgufBlocks(*ops.q4_1_panels(blocks.codes, blocks.d, blocks.m))
+    codes, d = ops.q8_0_panels(blocks.codes, blocks.d)
+    return GgufBlocks(codes, d, None)
 
 
 def int4_kernel_fits(out_features: int, in_features: int) -> bool:
@@ -241,8 +119,8 @@ class Int4PlanesLinear(nn.Module):
     """
 
     bias: torch.Tensor | None
-    codes: torch.Tensor  # the GgufBlocks fields, with the block kernel
-    d: torch.Tensor
+    codes: torch.Tensor  # the GgufBlocks fields, with the block kernel (as `int8_panels`
+    d: torch.Tensor  # with int8 activations)
     m: torch.Tensor | None
 
     def __init__(
@@ -252,6 +130,7 @@ class Int4PlanesLinear(nn.Module):
         bias: torch.Tensor | None,
         compute_dtype: torch.dtype,
         label: str,
+        int8_activations: bool = False,
     ) -> None:
         """Args:
         planes: makes one or more `(codes, scales, zeros)`, all of the same `[out, in]`,
@@ -261,9 +140,13 @@ class Int4PlanesLinear(nn.Module):
         compute_dtype: the activations' dtype inside torch's matmul, and the dense
             weight's for many rows.
         label: the source format, for `repr`.
+        int8_activations: few rows are quantized to int8 per 32 values and multiplied by
+            integer dot products (`kvrelay_kernels.cpu_quantized.load_int8_dot_ops`): 2-4x
+            faster at one row, NOT exact (the activations are rounded to 8 bits).
 
         Raises:
-            QuantizedWeightError: the shape does not fit torch's int4 kernel.
+            QuantizedWeightError: the shape does not fit torch's int4 kernel, or
+                `int8_activations` where the int8 kernel cannot run.
         """
         super().__init__()
         rows, k = blocks.codes.shape
@@ -279,19 +162,33 @@ class Int4PlanesLinear(nn.Module):
             "bias", bias.to(compute_dtype) if bias is not None else None, persistent=False
         )
         self.ops = block_kernel()
+        self.int8_ops = int8_dot_kernel() if int8_activations else None
+        if int8_activations and self.int8_ops is None:
+            raise QuantizedWeightError(
+                "int8 activations need kvrelay's CPU block kernels, which are off "
+                f"({QUANT_KERNEL_ENV}=torch) or could not be built (is a C++ compiler "
+                "installed?); drop --int8-activations"
+            )
         if self.ops is not None:
+            if self.int8_ops is not None:  # held in the int8 kernel's panels instead
+                blocks = int8_panels(self.int8_ops, blocks)
             for name, value in blocks._asdict().items():
                 self.register_buffer(name, value, persistent=False)
-        self.blocks_for_few_rows = self.ops is not None and self.few_rows_on_blocks(compute_dtype)
+        self.blocks_for_few_rows = self.ops is not None and (
+            int8_activations or self.few_rows_on_blocks(compute_dtype)
+        )
+        self._few_rows = self._bind_few_rows() if self.blocks_for_few_rows else None
         if not self.blocks_for_few_rows:
             self.int4 = _TorchInt4Planes(planes(), compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out]
+        few = self._few_rows
+        if few is not None and x.shape[0] < DENSE_FROM_ROWS:
+            kernel, weights = few
+            return kernel(x, *weights)  # in x's dtype
         if self.ops is not None and x.shape[0] >= DENSE_FROM_ROWS:
             out = self._dense(x.to(self.compute_dtype))
-        elif self.blocks_for_few_rows:
-            return self._block_loop(x)
         else:
             out = self.int4.forward(x.to(self.compute_dtype))
             if self.bias is not None:
@@ -304,14 +201,19 @@ class Int4PlanesLinear(nn.Module):
         int4 kernel), where the block kernel builds."""
         return True
 
-    def _block_loop(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T + bias` by the block kernel's few-row loop, in `x`'s dtype."""
-        assert self.ops is not None
-        if self.m is not None:
-            out = self.ops.q4_1_matmul(x, self.codes, self.d, self.m, self.bias)
+    def _bind_few_rows(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | None, ...]]:
+        """The few-row kernel (the block loop, or the int8 one with `int8_activations`) and
+        its weight arguments, bound once: each buffer read through `nn.Module.__getattr__`
+        costs about a microsecond, and a decode step makes ~120 of these calls."""
+        ops = self.int8_ops or self.ops
+        assert ops is not None
+        q4_1 = self.m is not None
+        if self.int8_ops is not None:
+            kernel = ops.q4_1_int8_matmul if q4_1 else ops.q8_0_int8_matmul
         else:
-            out = self.ops.q8_0_matmul(x, self.codes, self.d, self.bias)
-        return cast(torch.Tensor, out)
+            kernel = ops.q4_1_matmul if q4_1 else ops.q8_0_matmul
+        weights = (self.codes, self.d, self.m) if q4_1 else (self.codes, self.d)
+        return kernel, (*weights, self.bias)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T + bias` with W dequantized for this call, `DENSE_SLICE_ROWS` output rows
@@ -330,6 +232,13 @@ class Int4PlanesLinear(nn.Module):
         """The `[out, in]` weight (or those `rows` of it) in `compute_dtype` (block kernel
         only; made per call)."""
         assert self.ops is not None
+        if self.int8_ops is not None:  # panels of 16 rows
+            panels = slice(_div16(rows.start), _div16(rows.stop))
+            m = self.m[panels] if self.m is not None else None
+            out = self.int8_ops.panels_dequantize(
+                self.codes[panels], self.d[panels], m, self.compute_dtype
+            )
+            return cast(torch.Tensor, out)
         codes, d = self.codes[rows], self.d[rows]
         if self.m is not None:
             weight = self.ops.q4_1_dequantize(codes, d, self.m[rows], self.compute_dtype)
@@ -339,12 +248,18 @@ class Int4PlanesLinear(nn.Module):
 
     def extra_repr(self) -> str:
         few = "kvrelay blocks" if self.blocks_for_few_rows else "torch int4"
+        if self.int8_ops is not None:
+            few = "kvrelay blocks x int8 activations"
         many = "kvrelay dequantized, dense" if self.ops is not None else few
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.label}, compute={self.compute_dtype}, few rows={few}, "
             f"from {DENSE_FROM_ROWS} rows={many}"
         )
+
+
+def _div16(row: int | None) -> int | None:
+    return None if row is None else row // 16
 
 
 class _TorchInt4Planes(nn.Module):
@@ -389,10 +304,11 @@ class Int4Linear(Int4PlanesLinear):
         in_features: int,
         bias: torch.Tensor | None,
         compute_dtype: torch.dtype,
+        int8_activations: bool = False,
     ) -> None:
         """Args:
         raw_q4_1: `[out, in / 32 * 20]` uint8 Q4_1 rows (see `q4_1_fields`).
-        in_features, bias, compute_dtype: as for `Int4PlanesLinear`.
+        in_features, bias, compute_dtype, int8_activations: as for `Int4PlanesLinear`.
 
         Raises:
             QuantizedWeightError: the bytes are not Q4_1 rows of that length, or the shape
@@ -403,9 +319,9 @@ class Int4Linear(Int4PlanesLinear):
         def planes() -> list[Plane]:
             codes, d, m = blocks
             assert m is not None
-            return [(_q4_1_codes(codes, in_features), d, m + _INT4_ZERO_CODE * d)]
+            return [(q4_1_codes(codes, in_features), d, m + _INT4_ZERO_CODE * d)]
 
-        super().__init__(planes, blocks, bias, compute_dtype, "q4_1")
+        super().__init__(planes, blocks, bias, compute_dtype, "q4_1", int8_activations)
 
 
 class Q8_0Linear(Int4PlanesLinear):
@@ -418,10 +334,11 @@ class Q8_0Linear(Int4PlanesLinear):
         in_features: int,
         bias: torch.Tensor | None,
         compute_dtype: torch.dtype,
+        int8_activations: bool = False,
     ) -> None:
         """Args:
         raw_q8_0: `[out, in / 32 * 34]` uint8 Q8_0 rows (see `q8_0_fields`).
-        in_features, bias, compute_dtype: as for `Int4PlanesLinear`.
+        in_features, bias, compute_dtype, int8_activations: as for `Int4PlanesLinear`.
 
         Raises:
             QuantizedWeightError: the bytes are not Q8_0 rows of that length, or the shape
@@ -436,13 +353,17 @@ class Q8_0Linear(Int4PlanesLinear):
             low = (u & 0x0F, d, _INT4_ZERO_CODE * d)
             return [high, low]
 
-        super().__init__(planes, blocks, bias, compute_dtype, "q8_0")
+        super().__init__(planes, blocks, bias, compute_dtype, "q8_0", int8_activations)
 
 
 def quantized_linear(
-    raw: torch.Tensor, in_features: int, bias: torch.Tensor | None, compute_dtype: torch.dtype
+    raw: torch.Tensor,
+    in_features: int,
+    bias: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+    int8_activations: bool = False,
 ) -> Int4PlanesLinear:
     """The layer for raw Q4_1 or Q8_0 rows (told apart by `raw_format`)."""
     if raw_format(raw, in_features) == "Q8_0":
-        return Q8_0Linear(raw, in_features, bias, compute_dtype)
-    return Int4Linear(raw, in_features, bias, compute_dtype)
+        return Q8_0Linear(raw, in_features, bias, compute_dtype, int8_activations)
+    return Int4Linear(raw, in_features, bias, compute_dtype, int8_activations)

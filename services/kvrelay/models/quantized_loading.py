@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from kvrelay.config import ModelConfig
+from kvrelay.models.gguf_blocks import dequantize
 from kvrelay.models.gguf_convert import hf_tensor_name, read_gguf_weights, read_raw_gguf_tensor
 from kvrelay.models.layers import Linear
 from kvrelay.models.quantized import (
     block_kernel,
-    dequantize,
     int4_kernel_fits,
+    int8_dot_kernel,
     quantized_linear,
 )
 
@@ -42,6 +43,28 @@ _FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
 
 class QuantizationError(ValueError):
     """A `--quantization` that cannot be served from this model folder on this device."""
+
+
+def check_int8_activations(quantization: str | None, int8_activations: bool) -> None:
+    """Refuse int8 activations without quantized weights (they multiply GGUF blocks only).
+
+    Raises:
+        QuantizationError: `int8_activations` with no `quantization`, or where the int8
+            kernel cannot run.
+    """
+    if not int8_activations:
+        return
+    if quantization in (None, "none"):
+        raise QuantizationError(
+            "int8 activations multiply GGUF-quantized weights: add --quantization q4_1, q8_0 "
+            "or auto (the default model keeps its Q4_1 GGUF), or drop --int8-activations"
+        )
+    if int8_dot_kernel() is None:
+        raise QuantizationError(
+            "int8 activations need kvrelay's CPU block kernels, which are off "
+            "(KVRELAY_CPU_QUANT_KERNEL=torch) or could not be built (is a C++ compiler "
+            "installed?); drop --int8-activations"
+        )
 
 
 def find_gguf(folder: Path) -> Path | None:
@@ -148,10 +171,13 @@ def _dequantize_mixed_groups(weights: dict[str, torch.Tensor], config: ModelConf
 
 
 def install_quantized_linears(
-    model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    int8_activations: bool = False,
 ) -> int:
     """Replace each linear whose weight in `state` is raw Q4_1 or Q8_0 (uint8) by an
-    `Int4PlanesLinear`.
+    `Int4PlanesLinear` (with `int8_activations`, see there).
 
     The replaced layers' weight (and bias) entries are taken out of `state`. A raw tensor
     that is not a linear's weight (e.g. a Q8_0 token embedding), or whose shape the int4
@@ -174,27 +200,31 @@ def install_quantized_linears(
             continue
         bias = state.pop(path + ".bias", None)
         parent_path, _, child = path.rpartition(".")
-        quantized = quantized_linear(raw, module.in_features, bias, dtype)
+        quantized = quantized_linear(raw, module.in_features, bias, dtype, int8_activations)
         setattr(model.get_submodule(parent_path), child, quantized)
         replaced[quantized.label] += 1
+    activations = "int8" if int8_activations else str(dtype)
     for label, count in replaced.items():
-        logger.info(
-            "%d linear layers run on %s weights (int4, %s activations)", count, label, dtype
-        )
+        logger.info("%d linear layers run on %s weights, %s activations", count, label, activations)
     return sum(replaced.values())
 
 
-def install_quantized_logits(model: nn.Module, gguf: Path, dtype: torch.dtype) -> bool:
+def install_quantized_logits(
+    model: nn.Module, gguf: Path, dtype: torch.dtype, int8_activations: bool = False
+) -> bool:
     """Give a tied-embedding model's vocab projection the GGUF's own blocks of the token
     embedding (`model.quantized_logits`), for steps of few rows; whether it did.
 
-    Only with fp32 activations and the block kernel built: the embedding is dequantized to
-    fp32 for lookups (and oneDNN packs a copy for many rows), but one decode row reads all
-    of that weight, 113 MB for the default model against 30 MB of Q8_0 blocks. On a 2-core
-    AVX2 EPYC the projection took 4.0 instead of 10.3 ms at one row (two threads); in bf16,
-    where the dense weight is half the bytes, it was not worth a second copy.
+    Only with fp32 activations or int8 ones, and the block kernel built: the embedding is
+    dequantized for lookups (and oneDNN packs a copy for many rows), but one decode row
+    reads all of that weight, 113 MB for the default model in fp32 against 30 MB of Q8_0
+    blocks. On a 2-core AVX2 EPYC the projection took 4.0 instead of 10.3 ms at one row
+    (two threads); in bf16, where the dense weight is half the bytes, the fp32 block loop
+    was not worth a second copy (the int8 one is).
     """
-    if dtype != torch.float32 or getattr(model, "lm_head", None) is not None:
+    if getattr(model, "lm_head", None) is not None:
+        return False
+    if dtype != torch.float32 and not int8_activations:
         return False
     if block_kernel() is None:
         return False
@@ -203,7 +233,7 @@ def install_quantized_logits(model: nn.Module, gguf: Path, dtype: torch.dtype) -
     vocab, hidden = embedding.shape
     if raw is None or not int4_kernel_fits(vocab, hidden):
         return False
-    layer = quantized_linear(raw, hidden, None, dtype)
+    layer = quantized_linear(raw, hidden, None, dtype, int8_activations)
     if not layer.blocks_for_few_rows:
         return False
     model.quantized_logits = layer

@@ -1,0 +1,682 @@
+// GGUF Q4_1 and Q8_0 weights times activations quantized to int8 (llama.cpp's scheme), for
+// steps of few rows: integer dot products (AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`) instead
+// of turning every weight into fp32 (block_quant_matmul.cpp), whose conversions and
+// multiply-adds bound that loop at one row.
+//
+// Each call quantizes its input rows once: a block of 32 values gets the scale
+// dx = max|x| / 127 and the codes qx = x * (1 / dx) rounded half to even, in -127..127 (the
+// same fp32 operations on every build, so every build makes the same codes). A block's product
+// with a weight block is then exact in integers and scaled once:
+//   Q4_1 (w = dw * qw + m, qw in 0..15):   dw * dx * sum(qw * qx) + m * (dx * sum(qx))
+//   Q8_0 (w = dw * qw, qw in -128..127):   dw * dx * sum(qw * qx)
+// The activations' rounding to 8 bits is the one error besides the order of the fp32 sums (a
+// relative error of up to 1/254 of a block's largest value, like bf16's 1/256 of each value),
+// so the path is opt-in (`int8_activations`). AVX-512, AVX2 and scalar builds agree to fp32
+// rounding, not bit for bit.
+//
+// The weights are repacked once, at load, into panels of 16 output rows (`*_panels`): for each
+// block, the 4-byte words of the 16 rows side by side, so one 512-bit register holds four
+// codes of each of 16 rows and one `vpdpbusd` with a broadcast activation word adds four
+// products to each row's sum. A block of 16 rows then takes 8 dot instructions and one scale
+// step, and the 16 sums are 16 outputs: no horizontal sums. (Two blocks of one row per
+// register, the obvious layout, took 4 instructions per 64 products and ran at a third of
+// this speed on a 2-core Zen 4.) Q4_1 needs no shuffle: byte 4g + k of a GGUF block holds
+// elements 4g + k (low nibble) and 16 + 4g + k (high), so word g of each row, masked or
+// shifted, meets activation words g and g + 4. Q8_0 codes are stored plus 128 (unsigned, as
+// `vpdpbusd` takes them) on AVX512-VNNI, and 128 * sum(qx) is taken off by starting each
+// block's sum at minus that; AVX2 stores them signed and moves their signs to the activations.
+// Scales stay fp16 as in the file (a quarter fewer bytes to stream than fp32).
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVRELAY_VNNI512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVRELAY_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;         // values per block, weights and activations alike
+constexpr int64_t kQ41CodeBytes = 16;  // a Q4_1 block's codes (two per byte)
+constexpr int64_t kLanes = 16;         // output rows per panel
+constexpr int kMaxCode = 127;
+#if defined(KVRELAY_VNNI512)
+constexpr bool kQ80Unsigned = true;  // Q8_0 panel codes stored plus 128
+#else
+constexpr bool kQ80Unsigned = false;
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Activations
+
+// One call's input rows as int8 blocks, in element order.
+struct Activations {
+  int64_t rows = 0, k = 0, blocks = 0;
+  std::vector<int8_t> codes;   // [rows, k]
+  std::vector<float> d;        // [rows, blocks] scales
+  std::vector<float> s;        // [rows, blocks] d * sum(codes of the block)
+  std::vector<int32_t> sums;   // [rows, blocks] sum(codes of the block)
+
+  const int32_t* words(int64_t t, int64_t b) const {
+    return reinterpret_cast<const int32_t*>(codes.data() + t * k + b * kBlock);
+  }
+};
+
+// Quantizes one block of 32 fp32 values. Non-finite input gives a NaN scale (and zero codes),
+// so the outputs it touches are NaN, as a float matmul's would be.
+inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& sum) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float a = std::fabs(x[i]);
+    finite &= a <= FLT_MAX;
+    amax = a > amax ? a : amax;
+  }
+  if (!finite) {
+    d = std::numeric_limits<float>::quiet_NaN();
+    sum = 0;
+    std::memset(q, 0, kBlock);
+    return;
+  }
+  d = amax / static_cast<float>(kMaxCode);
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  int32_t total = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    // nearbyint: round half to even, as the vector instructions round.
+    int32_t code = static_cast<int32_t>(std::nearbyint(x[i] * inverse));
+    code = std::min(kMaxCode, std::max(-kMaxCode, code));
+    q[i] = static_cast<int8_t>(code);
+    total += code;
+  }
+  sum = total;
+}
+
+// 32 values as fp32 (bf16 widens exactly), for the scalar path.
+inline const float* block_floats(const float* x, float (&)[kBlock]) { return x; }
+inline const float* block_floats(const c10::BFloat16* x, float (&buffer)[kBlock]) {
+  for (int64_t i = 0; i < kBlock; ++i) buffer[i] = static_cast<float>(x[i]);
+  return buffer;
+}
+
+#if defined(KVRELAY_VNNI512)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {  // bf16 bits are fp32's top half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The same as quantize_block, 16 lanes at a time (the same codes, bit for bit), read from fp32
+// or bf16 (no converted copy of the input).
+template <typename T>
+inline void quantize_block_simd(const T* x, int8_t* q, float& d, int32_t& sum) {
+  const __m512 a = load16(x), b = load16(x + 16);
+  const __m512 abs_a = _mm512_abs_ps(a), abs_b = _mm512_abs_ps(b);
+  const __m512 big = _mm512_set1_ps(FLT_MAX);
+  if (_mm512_cmp_ps_mask(abs_a, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(abs_b, big, _CMP_NLE_UQ)) {
+    float buffer[kBlock];
+    quantize_block(block_floats(x, buffer), q, d, sum);  // NaN or infinity: as the scalar path
+    return;
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(abs_a, abs_b));
+  d = amax / static_cast<float>(kMaxCode);
+  const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512i top = _mm512_set1_epi32(kMaxCode), bottom = _mm512_set1_epi32(-kMaxCode);
+  __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // half to even (MXCSR)
+  __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+  qa = _mm512_max_epi32(bottom, _mm512_min_epi32(top, qa));
+  qb = _mm512_max_epi32(bottom, _mm512_min_epi32(top, qb));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+#else
+template <typename T>
+inline void quantize_block_simd(const T* x, int8_t* q, float& d, int32_t& sum) {
+  float buffer[kBlock];
+  quantize_block(block_floats(x, buffer), q, d, sum);
+}
+#endif
+
+// x: [rows, k] fp32 or bf16 (k a multiple of 32).
+template <typename T>
+Activations quantize(const T* x, int64_t rows, int64_t k) {
+  Activations a;
+  a.rows = rows;
+  a.k = k;
+  a.blocks = k / kBlock;
+  a.codes.resize(rows * k);
+  a.d.resize(rows * a.blocks);
+  a.s.resize(rows * a.blocks);
+  a.sums.resize(rows * a.blocks);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const int64_t at = t * a.blocks + b;
+      quantize_block_simd(x + t * k + b * kBlock, a.codes.data() + t * k + b * kBlock, a.d[at],
+                          a.sums[at]);
+      a.s[at] = a.d[at] * static_cast<float>(a.sums[at]);
+    }
+  }
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------
+// Weights in panels of 16 rows
+
+// codes: Q4_1 [N / 16, blocks, 4 words, 16 rows, 4 bytes]; Q8_0 [N / 16, blocks, 8 words, 16
+// rows, 4 bytes]. d, m: [N / 16, blocks, 16 rows] fp16 bits.
+struct Panels {
+  const uint8_t* codes;
+  const uint16_t* d;
+  const uint16_t* m;  // Q4_1 only
+  int64_t panels, blocks;
+};
+
+template <bool kQ41>
+constexpr int64_t words_per_block() {
+  return kQ41 ? 4 : 8;
+}
+
+template <bool kQ41>
+constexpr int64_t panel_block_bytes() {
+  return words_per_block<kQ41>() * kLanes * 4;
+}
+
+// Where sums go: out[row, col] = sum + bias[col], rounded once to the output's dtype.
+struct Output {
+  float* fp32;          // [M, N], or null
+  c10::BFloat16* bf16;  // [M, N], or null
+  const float* bias;    // [N], or null
+  int64_t n;
+
+  // Row t's outputs n0 .. n0 + 15.
+  inline void store(int64_t t, int64_t n0, const float (&sums)[kLanes]) const {
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const float value = bias != nullptr ? sums[i] + bias[n0 + i] : sums[i];
+      if (fp32 != nullptr) {
+        fp32[t * n + n0 + i] = value;
+      } else {
+        bf16[t * n + n0 + i] = c10::BFloat16(value);
+      }
+    }
+  }
+};
+
+// Every line of the block 16 blocks on (a panel's blocks, and the next panel's, are one
+// stream): without it the loop waited on memory; 4 or 16 blocks ahead differed by 2-4%.
+constexpr int64_t kPrefetchBlocks = 16;
+
+template <bool kQ41>
+inline void prefetch_ahead(const uint8_t* block) {
+  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchBlocks * panel_block_bytes<kQ41>();
+  for (int64_t line = 0; line < panel_block_bytes<kQ41>(); line += 64) {
+    _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
+}
+
+// Per instruction set: `Acc` (16 rows' sums of one input row) and `block_step<kQ41, MT>`,
+// which adds block `b` of panel `p` times input rows [t0, t0 + MT) to `acc`.
+#if defined(KVRELAY_VNNI512)
+
+using Acc = __m512;
+inline Acc zero_acc() { return _mm512_setzero_ps(); }
+inline void to_floats(const Acc& acc, float (&out)[kLanes]) { _mm512_storeu_ps(out, acc); }
+
+inline __m512 half_scales(const uint16_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
+template <bool kQ41, int MT>
+inline void block_step(const Panels& w, int64_t p, int64_t b, const Activations& a, int64_t t0,
+                       Acc (&acc)[MT]) {
+  const int64_t at = p * w.blocks + b;
+  const uint8_t* bytes = w.codes + at * panel_block_bytes<kQ41>();
+  prefetch_ahead<kQ41>(bytes);
+  const __m512 dw = half_scales(w.d + at * kLanes);
+  __m512 m = _mm512_setzero_ps();
+  __m512i codes[8];
+  if (kQ41) {
+    m = half_scales(w.m + at * kLanes);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i packed = _mm512_loadu_si512(bytes + g * 64);
+      codes[g] = _mm512_and_si512(packed, nibble);
+      codes[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) codes[j] = _mm512_loadu_si512(bytes + j * 64);
+  }
+  for (int t = 0; t < MT; ++t) {
+    const int64_t xt = (t0 + t) * a.blocks + b;
+    const int32_t* x = a.words(t0 + t, b);
+    // Two chains of four dot steps (exact int32 sums), then one scale step per block.
+    __m512i low = kQ41 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.sums[xt]);
+    __m512i high = _mm512_setzero_si512();
+    for (int g = 0; g < 4; ++g) {
+      low = _mm512_dpbusd_epi32(low, codes[g], _mm512_set1_epi32(x[g]));
+      high = _mm512_dpbusd_epi32(high, codes[g + 4], _mm512_set1_epi32(x[g + 4]));
+    }
+    const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(low, high));
+    acc[t] = _mm512_fmadd_ps(dots, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[xt])), acc[t]);
+    if (kQ41) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[xt]), acc[t]);
+  }
+}
+
+#elif defined(KVRELAY_AVX2)
+
+struct Acc {
+  __m256 half[2];  // rows 0-7 and 8-15 of the panel
+};
+inline Acc zero_acc() { return {{_mm256_setzero_ps(), _mm256_setzero_ps()}}; }
+inline void to_floats(const Acc& acc, float (&out)[kLanes]) {
+  _mm256_storeu_ps(out, acc.half[0]);
+  _mm256_storeu_ps(out + 8, acc.half[1]);
+}
+
+inline __m256 half_scales(const uint16_t* at) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+}
+
+template <bool kQ41, int MT>
+inline void block_step(const Panels& w, int64_t p, int64_t b, const Activations& a, int64_t t0,
+                       Acc (&acc)[MT]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t at = p * w.blocks + b;
+  const uint8_t* bytes = w.codes + at * panel_block_bytes<kQ41>();
+  prefetch_ahead<kQ41>(bytes);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 dw = half_scales(w.d + at * kLanes + 8 * h);
+    // [word][rows of this half]: Q4_1 unsigned codes; Q8_0 |codes| and the codes.
+    __m256i codes[8], signs[8];
+    if (kQ41) {
+      const __m256i nibble = _mm256_set1_epi8(0x0F);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i packed =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + g * 64 + 32 * h));
+        codes[g] = _mm256_and_si256(packed, nibble);
+        codes[g + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        signs[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + j * 64 + 32 * h));
+        codes[j] = _mm256_sign_epi8(signs[j], signs[j]);  // |qw|: -128 reads 128 unsigned
+      }
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int64_t xt = (t0 + t) * a.blocks + b;
+      const int32_t* x = a.words(t0 + t, b);
+      __m256i dot = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        __m256i q = _mm256_set1_epi32(x[j]);
+        if (!kQ41) q = _mm256_sign_epi8(q, signs[j]);  // qw's sign moved to qx
+        // Pairs of products: at most 2 * 128 * 127 < 2^15, so vpmaddubsw never saturates.
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], q), ones));
+      }
+      __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                   _mm256_mul_ps(dw, _mm256_set1_ps(a.d[xt])), acc[t].half[h]);
+      if (kQ41) {
+        sum = _mm256_fmadd_ps(half_scales(w.m + at * kLanes + 8 * h), _mm256_set1_ps(a.s[xt]), sum);
+      }
+      acc[t].half[h] = sum;
+    }
+  }
+}
+
+#else  // plain C++
+
+struct Acc {
+  float lane[kLanes];
+};
+inline Acc zero_acc() { return Acc{}; }
+inline void to_floats(const Acc& acc, float (&out)[kLanes]) {
+  std::memcpy(out, acc.lane, sizeof out);
+}
+
+template <bool kQ41, int MT>
+inline void block_step(const Panels& w, int64_t p, int64_t b, const Activations& a, int64_t t0,
+                       Acc (&acc)[MT]) {
+  constexpr int64_t kWords = words_per_block<kQ41>();
+  const int64_t at = p * w.blocks + b;
+  const uint8_t* bytes = w.codes + at * panel_block_bytes<kQ41>();
+  for (int t = 0; t < MT; ++t) {
+    const int64_t xt = (t0 + t) * a.blocks + b;
+    const int8_t* x = a.codes.data() + (t0 + t) * a.k + b * kBlock;
+    for (int64_t i = 0; i < kLanes; ++i) {
+      int32_t dot = 0;
+      for (int64_t j = 0; j < kWords; ++j) {
+        for (int k = 0; k < 4; ++k) {
+          const uint8_t byte = bytes[(j * kLanes + i) * 4 + k];
+          if (kQ41) {
+            dot += (byte & 15) * x[4 * j + k] + (byte >> 4) * x[16 + 4 * j + k];
+          } else {
+            dot += static_cast<int8_t>(byte) * x[4 * j + k];
+          }
+        }
+      }
+      const float dw = c10::detail::fp16_ieee_to_fp32_value(w.d[at * kLanes + i]);
+      float sum = acc[t].lane[i] + static_cast<float>(dot) * (dw * a.d[xt]);
+      if (kQ41) sum += c10::detail::fp16_ieee_to_fp32_value(w.m[at * kLanes + i]) * a.s[xt];
+      acc[t].lane[i] = sum;
+    }
+  }
+}
+
+#endif
+
+// Panel p times input rows [t0, t0 + MT), every block.
+template <bool kQ41, int MT>
+inline void tile(const Panels& w, const Activations& a, int64_t p, int64_t t0, const Output& out) {
+  Acc acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = zero_acc();
+  for (int64_t b = 0; b < w.blocks; ++b) block_step<kQ41, MT>(w, p, b, a, t0, acc);
+  for (int t = 0; t < MT; ++t) {
+    float sums[kLanes];
+    to_floats(acc[t], sums);
+    out.store(t0 + t, p * kLanes, sums);
+  }
+}
+
+// Panels [begin, end) against every input row, up to four rows at a time. (Two panels at a
+// time for one row, four dot chains instead of two, made two streams and ran 10-40% slower.)
+template <bool kQ41>
+void panels_range(const Panels& w, const Activations& a, int64_t begin, int64_t end,
+                  const Output& out) {
+  for (int64_t p = begin; p < end; ++p) {
+    int64_t t = 0;
+    for (; t + 4 <= a.rows; t += 4) tile<kQ41, 4>(w, a, p, t, out);
+    for (; t + 2 <= a.rows; t += 2) tile<kQ41, 2>(w, a, p, t, out);
+    if (t < a.rows) tile<kQ41, 1>(w, a, p, t, out);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Checks and entry points
+
+void check_panels(const torch::Tensor& codes, const torch::Tensor& d,
+                  const c10::optional<torch::Tensor>& m, int64_t block_bytes) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) % block_bytes == 0,
+              "panel codes must be contiguous uint8 [out_features / 16, blocks * ", block_bytes,
+              "] (from the *_panels functions)");
+  const int64_t blocks = codes.size(1) / block_bytes;
+  auto check = [&](const torch::Tensor& s) {
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 2 &&
+                    s.size(0) == codes.size(0) && s.size(1) == blocks * kLanes,
+                "panel scales must be contiguous float16 [out_features / 16, blocks * 16]");
+  };
+  check(d);
+  if (m.has_value()) check(*m);
+}
+
+torch::Tensor as_float(const torch::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+// x (fp32 or bf16, [rows, k]) quantized, read in place where it is contiguous.
+Activations quantize_input(const torch::Tensor& x) {
+  const torch::Tensor input = x.contiguous();
+  if (input.scalar_type() == at::kBFloat16) {
+    return quantize(input.data_ptr<c10::BFloat16>(), input.size(0), input.size(1));
+  }
+  return quantize(input.data_ptr<float>(), input.size(0), input.size(1));
+}
+
+template <bool kQ41>
+torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
+                           const c10::optional<torch::Tensor>& bias) {
+  check_panels(codes, d, m, panel_block_bytes<kQ41>());
+  const Panels w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                 m.has_value() ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr,
+                 codes.size(0), codes.size(1) / panel_block_bytes<kQ41>()};
+  const int64_t n = w.panels * kLanes, k = w.blocks * kBlock;
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k,
+              "x must be a [rows, in_features] CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  torch::Tensor bias_values;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n && (bias->scalar_type() == at::kFloat ||
+                                       bias->scalar_type() == at::kBFloat16),
+                "bias must be float32 or bfloat16 [out_features]");
+    bias_values = as_float(*bias);
+  }
+  const Activations a = quantize_input(x);
+  torch::Tensor out = torch::empty({x.size(0), n}, x.options());
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  const Output sink{fp32 ? out.data_ptr<float>() : nullptr,
+                    fp32 ? nullptr : out.data_ptr<c10::BFloat16>(),
+                    bias.has_value() ? bias_values.data_ptr<float>() : nullptr, n};
+  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
+    panels_range<kQ41>(w, a, begin, end, sink);
+  });
+  return out;
+}
+
+void check_rows(const torch::Tensor& codes, const torch::Tensor& d, int64_t code_bytes,
+                const char* what) {
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 2 && codes.size(0) % kLanes == 0 &&
+                  codes.size(1) % code_bytes == 0,
+              what, " codes must be contiguous [out_features, ...] with out_features a multiple "
+              "of 16 and whole blocks");
+  const int64_t blocks = codes.size(1) / code_bytes;
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == codes.size(0) && d.size(1) == blocks,
+              "scales must be contiguous float32 [out_features, in_features / 32]");
+}
+
+// [N, blocks] fp32 scales (fp16 values) -> [N / 16, blocks * 16] fp16, rows side by side.
+torch::Tensor panel_scales(const torch::Tensor& s) {
+  const int64_t n = s.size(0), blocks = s.size(1);
+  return s.to(at::kHalf).reshape({n / kLanes, kLanes, blocks}).transpose(1, 2).contiguous()
+      .reshape({n / kLanes, blocks * kLanes});
+}
+
+// [N, blocks, words, 4] bytes -> [N / 16, blocks, words, 16, 4]: each word of the 16 rows of a
+// panel side by side.
+torch::Tensor panel_words(const torch::Tensor& bytes, int64_t blocks, int64_t words) {
+  const int64_t n = bytes.size(0);
+  return bytes.reshape({n / kLanes, kLanes, blocks, words, 4})
+      .permute({0, 2, 3, 1, 4})
+      .contiguous()
+      .reshape({n / kLanes, blocks * words * kLanes * 4});
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> q4_1_panels(const torch::Tensor& codes, const torch::Tensor& d,
+                                       const torch::Tensor& m) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "Q4_1 codes must be uint8 [out_features, in / 2]");
+  check_rows(codes, d, kQ41CodeBytes, "Q4_1");
+  check_rows(codes, m, kQ41CodeBytes, "Q4_1");
+  const int64_t blocks = d.size(1);
+  return {panel_words(codes, blocks, 4), panel_scales(d), panel_scales(m)};
+}
+
+std::vector<torch::Tensor> q8_0_panels(const torch::Tensor& codes, const torch::Tensor& d) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "Q8_0 codes must be int8 [out_features, in]");
+  check_rows(codes, d, kBlock, "Q8_0");
+  torch::Tensor bytes = codes.view(at::kByte);
+  if (kQ80Unsigned) bytes = bytes.bitwise_xor(0x80);  // qw + 128
+  return {panel_words(bytes, d.size(1), 8), panel_scales(d)};
+}
+
+torch::Tensor q4_1_int8_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                               const torch::Tensor& d, const torch::Tensor& m,
+                               const c10::optional<torch::Tensor>& bias) {
+  return panel_matmul<true>(x, codes, d, m, bias);
+}
+
+torch::Tensor q8_0_int8_matmul(const torch::Tensor& x, const torch::Tensor& codes,
+                               const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
+  return panel_matmul<false>(x, codes, d, c10::nullopt, bias);
+}
+
+namespace {
+
+// A panel block's 16 fp16 scales as floats.
+inline void halves_to_floats(const uint16_t* at, float (&out)[kLanes]) {
+#if defined(KVRELAY_VNNI512)
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))));
+#elif defined(KVRELAY_AVX2)
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+  _mm256_storeu_ps(out + 8,
+                   _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 8))));
+#else
+  for (int64_t i = 0; i < kLanes; ++i) out[i] = c10::detail::fp16_ieee_to_fp32_value(at[i]);
+#endif
+}
+
+// Row i of a panel's block as the GGUF stores it (Q4_1: 16 bytes, low nibbles elements 0-15;
+// Q8_0: 32 signed codes), then in `out` as floats: d * q + m, exact in fp32.
+#if defined(KVRELAY_VNNI512)
+inline void store_floats(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+// Rounded to nearest even as c10::BFloat16 rounds (the values here are finite).
+inline void store_floats(c10::BFloat16* out, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+inline uint32_t word_at(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+template <bool kQ41, typename T>
+inline void dequantize_lane(const uint8_t* block, int64_t i, float scale, float offset, T* out) {
+  const __m512 vs = _mm512_set1_ps(scale), vo = _mm512_set1_ps(offset);
+  const uint8_t* lane = block + i * 4;
+  if (kQ41) {
+    const __m128i raw = _mm_set_epi32(word_at(lane + 3 * 64), word_at(lane + 2 * 64),
+                                      word_at(lane + 64), word_at(lane));
+    const __m512i wide = _mm512_cvtepu8_epi32(raw);
+    const __m512i low = _mm512_and_si512(wide, _mm512_set1_epi32(15));
+    const __m512i high = _mm512_srli_epi32(wide, 4);
+    store_floats(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), vs, vo));
+    store_floats(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), vs, vo));
+  } else {
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* at = lane + half * 4 * 64;
+      __m128i raw = _mm_set_epi32(word_at(at + 3 * 64), word_at(at + 2 * 64), word_at(at + 64),
+                                  word_at(at));
+      if (kQ80Unsigned) raw = _mm_xor_si128(raw, _mm_set1_epi8(static_cast<char>(0x80)));
+      const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+      store_floats(out + 16 * half, _mm512_mul_ps(codes, vs));
+    }
+  }
+}
+#else
+template <bool kQ41, typename T>
+inline void dequantize_lane(const uint8_t* block, int64_t i, float scale, float offset, T* out) {
+  constexpr int64_t kWords = words_per_block<kQ41>();
+  uint8_t raw[kWords * 4];
+  for (int64_t j = 0; j < kWords; ++j) std::memcpy(raw + 4 * j, block + (j * kLanes + i) * 4, 4);
+  float values[kBlock];
+  if (kQ41) {
+    for (int64_t e = 0; e < 16; ++e) {
+      values[e] = scale * static_cast<float>(raw[e] & 15) + offset;
+      values[e + 16] = scale * static_cast<float>(raw[e] >> 4) + offset;
+    }
+  } else {
+    for (int64_t e = 0; e < kBlock; ++e) {
+      const uint8_t byte = kQ80Unsigned ? raw[e] ^ 0x80 : raw[e];
+      values[e] = scale * static_cast<float>(static_cast<int8_t>(byte));
+    }
+  }
+  for (int64_t e = 0; e < kBlock; ++e) out[e] = static_cast<T>(values[e]);
+}
+#endif
+
+template <bool kQ41, typename T>
+void dequantize_panels(const Panels& w, T* out) {
+  const int64_t k = w.blocks * kBlock;
+  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int64_t at = p * w.blocks + b;
+        const uint8_t* block = w.codes + at * panel_block_bytes<kQ41>();
+        float scales[kLanes], offsets[kLanes] = {};
+        halves_to_floats(w.d + at * kLanes, scales);
+        if (kQ41) halves_to_floats(w.m + at * kLanes, offsets);
+        for (int64_t i = 0; i < kLanes; ++i) {
+          dequantize_lane<kQ41>(block, i, scales[i], offsets[i],
+                                out + (p * kLanes + i) * k + b * kBlock);
+        }
+      }
+    }
+  });
+}
+
+template <bool kQ41>
+torch::Tensor dequantize_as(const Panels& w, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  torch::Tensor out = torch::empty({w.panels * kLanes, w.blocks * kBlock}, torch::dtype(dtype));
+  if (dtype == at::kFloat) {
+    dequantize_panels<kQ41>(w, out.data_ptr<float>());
+  } else {
+    dequantize_panels<kQ41>(w, out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+// The dense [N, K] weight of Q4_1 (with `m`) or Q8_0 panels, in `dtype` (fp32 or bf16), for
+// batches of many rows: d * q + m in fp32 is exact, so this equals the GGUF's own
+// dequantization (and block_quant_matmul.cpp's).
+torch::Tensor panels_dequantize(const torch::Tensor& codes, const torch::Tensor& d,
+                                const c10::optional<torch::Tensor>& m, at::ScalarType dtype) {
+  const bool q4_1 = m.has_value();
+  const int64_t block_bytes = q4_1 ? panel_block_bytes<true>() : panel_block_bytes<false>();
+  check_panels(codes, d, m, block_bytes);
+  const Panels w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                 q4_1 ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr,
+                 codes.size(0), codes.size(1) / block_bytes};
+  return q4_1 ? dequantize_as<true>(w, dtype) : dequantize_as<false>(w, dtype);
+}
+
+// The activations' codes in element order, their scales and their sums per block, as the
+// matmuls make them (for tests).
+std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % kBlock == 0 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 [rows, in_features] CPU tensor, in_features a "
+              "multiple of 32");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  const Activations a = quantize_input(x);
+  torch::Tensor codes = torch::empty({rows, k}, torch::dtype(at::kChar));
+  torch::Tensor scales = torch::empty({rows, blocks}, torch::dtype(at::kFloat));
+  torch::Tensor sums = torch::empty({rows, blocks}, torch::dtype(at::kInt));
+  std::memcpy(codes.data_ptr<int8_t>(), a.codes.data(), rows * k);
+  std::memcpy(scales.data_ptr<float>(), a.d.data(), rows * blocks * sizeof(float));
+  std::memcpy(sums.data_ptr<int32_t>(), a.sums.data(), rows * blocks * sizeof(int32_t));
+  return {codes, scales, sums};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("q4_1_panels", &q4_1_panels,
+             "GGUF Q4_1 blocks (codes, d, m) repacked into panels of 16 rows");
+  module.def("q8_0_panels", &q8_0_panels, "GGUF Q8_0 blocks (codes, d) repacked into panels");
+  module.def("q4_1_int8_matmul", &q4_1_int8_matmul,
+             "x @ W.T over Q4_1 panels, x quantized to int8 per 32 values (+ bias)");
+  module.def("q8_0_int8_matmul", &q8_0_int8_matmul,
+             "x @ W.T over Q8_0 panels, x quantized to int8 per 32 values (+ bias)");
+  module.def("panels_dequantize", &panels_dequantize, "the dense [out, in] weight of panels");
+  module.def("int8_quantize", &int8_quantize,
+             "x's int8 codes, fp32 scales and int32 code sums per block of 32");
+}

@@ -1,0 +1,248 @@
+"""The CPU int8-activation kernel (csrc_cpu/int8_dot_matmul.cpp): its quantization of the
+activations bit for bit against the scheme written in torch, its matmuls over the weights'
+panels against that scheme computed in float64 (integer dots are exact, so only fp32 rounding
+may differ), the error the scheme itself makes against the exact weights, the panels'
+dequantization, and the AVX2 and plain x86-64 builds."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from kvrelay.models.gguf_blocks import (
+    GgufBlocks,
+    dequantize_q4_1,
+    dequantize_q8_0,
+    q4_1_blocks,
+    q8_0_blocks,
+)
+from kvrelay.models.quantized import int8_panels
+from kvrelay_kernels.cpu_extension import CSRC_CPU
+from kvrelay_kernels.cpu_quantized import load_int8_dot_ops
+
+FORMATS = {
+    "q4_1": (GGMLQuantizationType.Q4_1, q4_1_blocks, dequantize_q4_1),
+    "q8_0": (GGMLQuantizationType.Q8_0, q8_0_blocks, dequantize_q8_0),
+}
+
+
+@pytest.fixture(scope="module")
+def ops() -> ModuleType:
+    module = load_int8_dot_ops()
+    assert module is not None, "the CPU int8 kernel did not build (is a C++ compiler there?)"
+    return module
+
+
+def _weight(fmt: str, out: int, inp: int, seed: int) -> tuple[GgufBlocks, torch.Tensor]:
+    """gguf's own quantization of a random `[out, inp]` weight: its blocks and its exact
+    fp32 dequantization."""
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((out, inp)) * 0.05 + rng.standard_normal((out, 1)) * 0.02
+    kind, blocks_of, dequantize = FORMATS[fmt]
+    raw = torch.from_numpy(np.array(quants.quantize(dense.astype(np.float32), kind)))
+    return blocks_of(raw, inp), dequantize(raw, inp)
+
+
+def _matmul(
+    ops: ModuleType, blocks: GgufBlocks, x: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ W.T` by `ops`, the weight repacked into `ops`' own panels."""
+    panels = int8_panels(ops, blocks)
+    out: torch.Tensor
+    if panels.m is not None:
+        out = ops.q4_1_int8_matmul(x, panels.codes, panels.d, panels.m, bias)
+    else:
+        out = ops.q8_0_int8_matmul(x, panels.codes, panels.d, bias)
+    return out
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scheme in torch: per 32 values d = max|x| / 127, q = round-half-even(x * (1 / d))."""
+    rows, k = x.shape
+    cells = x.float().reshape(rows, k // 32, 32)
+    d = cells.abs().amax(-1) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(cells * inverse[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).reshape(rows, k), d, q.sum(-1).to(torch.int32)
+
+
+def _scheme(x: torch.Tensor, blocks: GgufBlocks) -> torch.Tensor:
+    """`x @ W.T` as the scheme defines it, in float64: per block dw * dx * sum(qw * qx), plus
+    m * dx * sum(qx) for Q4_1."""
+    q, dx, sums = _quantize(x)
+    rows, k = x.shape
+    qx = q.double().reshape(rows, k // 32, 32)
+    if blocks.m is not None:
+        cells = blocks.codes.reshape(-1, k // 32, 16)
+        qw = torch.cat((cells & 15, cells >> 4), dim=-1).double()  # element order
+    else:
+        qw = blocks.codes.reshape(-1, k // 32, 32).double()
+    dots = torch.einsum("tbi,nbi->tnb", qx, qw)
+    out = (dots * (blocks.d.double()[None] * dx.double()[:, None])).sum(-1)
+    if blocks.m is not None:
+        out += (blocks.m.double()[None] * (dx.double() * sums.double())[:, None]).sum(-1)
+    return out
+
+
+def _assert_matches_scheme(got: torch.Tensor, x: torch.Tensor, blocks: GgufBlocks) -> None:
+    expected = _scheme(x, blocks)
+    # The integer dots are exact; fp32 products and sums differ from float64 by rounding.
+    tolerance = 2e-6 * expected.abs().max().item() + 1e-6
+    assert (got.double() - expected).abs().max().item() <= tolerance
+
+
+def test_the_activation_codes_are_the_scheme_bit_for_bit(ops: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 160, generator=gen) * torch.logspace(-3, 3, 160)
+    x[2, 32:64] = 0  # a block of zeros: scale 0, codes 0
+    x[3, :32] = torch.arange(32) - 15.5  # exact halves: ties go to even
+    for rows in (x, x.bfloat16()):
+        codes, scales, sums = ops.int8_quantize(rows)
+        expected = _quantize(rows.float())
+        assert torch.equal(codes, expected[0])
+        assert torch.equal(scales, expected[1])
+        assert torch.equal(sums, expected[2])
+    assert int(codes.abs().max()) == 127 and torch.equal(scales[2, 1], torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("in_features", [32, 96, 576])
+@pytest.mark.parametrize("out_rows", [16, 48, 160])  # one panel; pairs and a lone one
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 31])  # input tiles of 4, 2 and 1
+def test_matmul_equals_the_scheme(
+    ops: ModuleType, fmt: str, in_features: int, out_rows: int, rows: int
+) -> None:
+    blocks, _ = _weight(fmt, out_rows, in_features, seed=rows * 100 + out_rows + in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    out = _matmul(ops, blocks, x)
+    assert out.shape == (rows, out_rows) and out.dtype == torch.float32
+    _assert_matches_scheme(out, x, blocks)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_error_is_the_activations_rounding_alone(ops: ModuleType, fmt: str) -> None:
+    """Against the exact weights, each block's error is at most sum|w| * dx / 2 (a code is
+    off by at most half a step); and it is not zero (the test would catch an exact path)."""
+    blocks, weight = _weight(fmt, 64, 256, seed=3)  # 64 rows: four panels
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    got = _matmul(ops, blocks, x).double()
+    exact = F.linear(x.double(), weight.double())
+    _, dx, _ = _quantize(x)
+    bound = torch.einsum(
+        "tb,nb->tn", dx.double() / 2, weight.double().abs().reshape(64, 8, 32).sum(-1)
+    )
+    error = (got - exact).abs()
+    assert bool((error <= bound * 1.001 + 1e-5).all())
+    assert error.max().item() > 1e-6
+
+
+def test_q8_0_codes_of_minus_128_count_as_such(ops: ModuleType) -> None:
+    # gguf never writes -128, but a file may hold it: the unsigned shift must not wrap.
+    codes = torch.full((16, 64), -128, dtype=torch.int8)
+    codes[1] = 127
+    codes[2, 1::2] = 5
+    d = torch.full((16, 2), 0.5)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    blocks = GgufBlocks(codes, d, None)
+    _assert_matches_scheme(_matmul(ops, blocks, x), x, blocks)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bias_and_bf16_round_once(ops: ModuleType, fmt: str) -> None:
+    blocks, _ = _weight(fmt, 64, 128, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 128, generator=gen).bfloat16()
+    bias = torch.randn(64, generator=gen)
+    out = _matmul(ops, blocks, x, bias.bfloat16())
+    assert out.dtype == torch.bfloat16
+    # bf16 activations are exact in fp32; the bias is added before the one rounding.
+    fp32 = _matmul(ops, blocks, x.float(), bias.bfloat16().float())
+    assert torch.equal(out, fp32.bfloat16())
+    torch.testing.assert_close(fp32 - bias.bfloat16().float(), _matmul(ops, blocks, x.float()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_input_poisons_its_row_only(ops: ModuleType, fmt: str) -> None:
+    blocks, _ = _weight(fmt, 16, 64, seed=6)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    for bad in (float("nan"), float("inf")):
+        poisoned = x.clone()
+        poisoned[1, 40] = bad
+        out = _matmul(ops, blocks, poisoned)
+        assert bool(out[1].isnan().all())
+        assert torch.equal(out[[0, 2]], _matmul(ops, blocks, x)[[0, 2]])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_panels_dequantize_to_the_gguf_weight(ops: ModuleType, fmt: str) -> None:
+    blocks, weight = _weight(fmt, 48, 96, seed=7)
+    panels = int8_panels(ops, blocks)
+    assert panels.codes.shape[0] == 3 and panels.d.dtype == torch.float16
+    dense = ops.panels_dequantize(panels.codes, panels.d, panels.m, torch.float32)
+    assert torch.equal(dense, weight)  # d * q + m is exact in fp32
+    bf16 = ops.panels_dequantize(panels.codes, panels.d, panels.m, torch.bfloat16)
+    assert torch.equal(bf16, weight.bfloat16())  # rounded as torch rounds
+    with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
+        ops.panels_dequantize(panels.codes, panels.d, panels.m, torch.float16)
+
+
+def test_bad_arguments_are_refused(ops: ModuleType) -> None:
+    q8_blocks, _ = _weight("q8_0", 16, 64, seed=1)
+    q8 = int8_panels(ops, q8_blocks)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.q8_0_int8_matmul(torch.zeros(2, 64, dtype=torch.float16), q8.codes, q8.d, None)
+    with pytest.raises(RuntimeError, match=r"\[rows, in_features\]"):
+        ops.q8_0_int8_matmul(torch.zeros(2, 96), q8.codes, q8.d, None)
+    with pytest.raises(RuntimeError, match="panel codes must be contiguous uint8"):
+        ops.q8_0_int8_matmul(torch.zeros(2, 64), q8.codes.view(torch.int8), q8.d, None)
+    with pytest.raises(RuntimeError, match="panel scales must be contiguous float16"):
+        ops.q8_0_int8_matmul(torch.zeros(2, 64), q8.codes, q8.d.float(), None)
+    with pytest.raises(RuntimeError, match="bias must be float32 or bfloat16"):
+        ops.q8_0_int8_matmul(torch.zeros(2, 64), q8.codes, q8.d, torch.zeros(7))
+    q4_blocks, _ = _weight("q4_1", 16, 64, seed=1)
+    q4 = int8_panels(ops, q4_blocks)
+    assert q4.m is not None
+    with pytest.raises(RuntimeError, match="panel scales must be contiguous float16"):
+        ops.q4_1_int8_matmul(torch.zeros(2, 64), q4.codes, q4.d, q4.m[:, :1].contiguous(), None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int8_quantize(torch.zeros(2, 48))
+    # Repacking takes whole panels of 16 rows and GGUF-shaped blocks only.
+    few, _ = _weight("q4_1", 8, 64, seed=1)
+    assert few.m is not None
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.q4_1_panels(few.codes, few.d, few.m)
+    with pytest.raises(RuntimeError, match="Q8_0 codes must be int8"):
+        ops.q8_0_panels(q8_blocks.codes.view(torch.uint8), q8_blocks.d)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
+        ops.q8_0_panels(q8_blocks.codes, q8_blocks.d.half())
+
+
+@pytest.mark.parametrize("isa", ["avx2", "plain"])
+def test_other_instruction_sets_compute_the_same(ops: ModuleType, isa: str) -> None:
+    """The builds for an AVX2-only CPU (vpmaddubsw) and a plain x86-64 one (C++ loops) of the
+    same source: the same activation codes, and the scheme's result to fp32 rounding."""
+    from torch.utils.cpp_extension import load
+
+    flags = {"avx2": ["-march=x86-64-v3"], "plain": ["-march=x86-64"]}[isa]
+    other = load(
+        name=f"kvrelay_int8_dot_test_{isa}",
+        sources=[str(CSRC_CPU / "int8_dot_matmul.cpp")],
+        extra_cflags=["-O2", *flags, "-fopenmp", "-ffp-contract=fast"],
+        verbose=False,
+    )
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 96, generator=gen)
+    for mine, theirs in zip(ops.int8_quantize(x), other.int8_quantize(x), strict=True):
+        assert torch.equal(mine, theirs)
+    for fmt in FORMATS:
+        blocks, weight = _weight(fmt, 48, 96, seed=11)
+        panels = int8_panels(other, blocks)  # its own panels: Q8_0's codes are signed there
+        dense = other.panels_dequantize(panels.codes, panels.d, panels.m, torch.float32)
+        assert torch.equal(dense, weight)
+        _assert_matches_scheme(_matmul(other, blocks, x), x, blocks)
+        torch.testing.assert_close(_matmul(other, blocks, x), _matmul(ops, blocks, x))
