@@ -54,12 +54,19 @@ class OfflineStream:
     """One greedy stream at a time through the offline engine, in this process."""
 
     def __init__(
-        self, model: str | None, dtype: str, tokens: int, quantization: str = "none"
+        self,
+        model: str | None,
+        dtype: str,
+        tokens: int,
+        quantization: str = "none",
+        int8_activations: bool = False,
     ) -> None:
         from kvrelay import SamplingParams
         from kvrelay.llm import LLM
 
-        self.llm = LLM(model, dtype=dtype, quantization=quantization)
+        self.llm = LLM(
+            model, dtype=dtype, quantization=quantization, int8_activations=int8_activations
+        )
         self.prompt = self.llm.get_tokenizer().encode(PROMPT)
         self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         self._runs = 0
@@ -146,7 +153,8 @@ def paired_row(
     """--repeats (offline step, served TPOT) pairs, back to back, against one server."""
     kvrelay_bin = shutil.which("kvrelay") or str(Path(sys.executable).parent / "kvrelay")
     flags = ("--dtype", dtype, "--quantization", args.quantization)
-    label = weights_label(dtype, args.quantization)
+    flags += ("--int8-activations",) if args.int8_activations else ()
+    label = weights_label(dtype, args.quantization, args.int8_activations)
     spec = kvrelay_spec(f"kvrelay {mode} {label}", kvrelay_bin, mode == "colocated",
                         args.model, flags)  # fmt: skip
     steps: list[float] = []
@@ -169,9 +177,11 @@ def paired_row(
     return Row(label, median(steps), mode, median(tpots), median(ratios))
 
 
-def weights_label(dtype: str, quantization: str) -> str:
-    """How a row names its weights: the dtype, and the quantization when there is one."""
-    return dtype if quantization == "none" else f"{dtype}, {quantization}"
+def weights_label(dtype: str, quantization: str, int8_activations: bool = False) -> str:
+    """How a row names its weights: the dtype, and the quantization when there is one (with
+    int8 activations, "int8" after it)."""
+    label = dtype if quantization == "none" else f"{dtype}, {quantization}"
+    return f"{label}, int8" if int8_activations else label
 
 
 def table(rows: list[Row]) -> str:
@@ -199,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                         help="weights kept quantized, offline and served alike (q4_1: the "
                              "default model's source GGUF)")  # fmt: skip
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="with --quantization: int8 activations, offline and served "
+                             "(llama.cpp's scheme, not exact)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     parser.add_argument("--repeats", type=int, default=5,
                         help="offline/served pairs per row (medians)")  # fmt: skip
@@ -224,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             offline = (
                 None
                 if args.skip_offline
-                else OfflineStream(args.model, dtype, args.tokens, args.quantization)
+                else OfflineStream(
+                    args.model, dtype, args.tokens, args.quantization, args.int8_activations
+                )
             )
             rows += [paired_row(args, dtype, mode, offline, Path(logs)) for mode in args.modes]
             if offline is not None:

@@ -236,6 +236,13 @@ def test_kvrelay_specs_carry_mode_dtype_and_weights(script: ModuleType, args) ->
     q4_fp32 = script.SERVERS["kvrelay-coloc-q4_1-fp32"]
     assert q4_fp32.precision == "q4_1"  # compared with llama-server, as the bf16 one is
     assert "float32" in q4_fp32.build(args, "k").command
+    assert "--int8-activations" not in q4 and "--int8-activations" not in fp32
+    for mode in ("coloc", "disagg"):  # llama.cpp's numerics, so beside llama-server too
+        int8 = script.SERVERS[f"kvrelay-{mode}-q4_1-int8"]
+        command = int8.build(args, "k").command
+        assert int8.precision == "q4_1" and "--int8-activations" in command
+        assert command[command.index("--quantization") + 1] == "q4_1"
+        assert ("--colocated" in command) == (mode == "coloc")
 
 
 def test_vllm_spec_is_the_cpu_build_on_the_given_cores(script: ModuleType, args) -> None:

@@ -27,7 +27,9 @@ def test_help_names_the_options() -> None:
         [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    for flag in ("--dtypes", "--modes", "--tokens", "--repeats", "--model", "--quantization"):
+    flags = ("--dtypes", "--modes", "--tokens", "--repeats", "--model", "--quantization",
+             "--int8-activations")  # fmt: skip
+    for flag in flags:
         assert flag in out.stdout
 
 
@@ -41,6 +43,8 @@ def test_quantization_names_the_rows_and_is_checked(script: ModuleType) -> None:
     assert script.parse_args([]).quantization == "none"
     assert script.weights_label("float32", "none") == "float32"
     assert script.weights_label("bfloat16", "q4_1") == "bfloat16, q4_1"
+    assert script.weights_label("bfloat16", "q4_1", True) == "bfloat16, q4_1, int8"
+    assert script.parse_args(["--quantization", "q4_1", "--int8-activations"]).int8_activations
     with pytest.raises(SystemExit):
         script.parse_args(["--quantization", "q2_k"])
 
@@ -64,12 +68,15 @@ def test_offline_streams_run_one_after_another_on_one_engine(script: ModuleType)
     stream.close()
 
 
-def test_an_offline_stream_runs_the_quantized_weights(script: ModuleType) -> None:
+@pytest.mark.parametrize("int8", [False, True])
+def test_an_offline_stream_runs_the_quantized_weights(script: ModuleType, int8: bool) -> None:
     from kvrelay.models.quantized import Int4Linear
 
-    stream = script.OfflineStream(None, "float32", tokens=3, quantization="q4_1")
+    stream = script.OfflineStream(None, "float32", tokens=3, quantization="q4_1",
+                                  int8_activations=int8)  # fmt: skip
     model = stream.llm.engine.runner.model
-    assert any(isinstance(m, Int4Linear) for m in model.modules())
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all((m.int8_ops is not None) == int8 for m in layers)
     assert 0.1 < stream.step_ms() < 10_000
     stream.close()
 
