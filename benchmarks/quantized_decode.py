@@ -449,7 +449,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for quantization in args.exact_formats if args.exact else ():
         folder = _folder(quantization, args)
         reference = build_engine("float32", "none", folder)
-        for dtype, int8 in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        for dtype, int8 in (("float32", False), ("bfloat16", False), ("float32", True),
+                            ("bfloat16", True)):  # fmt: skip
             candidate = build_engine(dtype, quantization, folder, int8)
             activations = "int8" if int8 else dtype
             print(f"{quantization.upper()} with {activations} activations vs dequantized fp32:",

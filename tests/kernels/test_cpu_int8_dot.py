@@ -1,8 +1,8 @@
 """The CPU int8-activation kernel (csrc_cpu/int8_dot_matmul.cpp): its quantization of the
 activations bit for bit against the scheme written in torch, its matmuls over the weights'
 panels against that scheme computed in float64 (integer dots are exact, so only fp32 rounding
-may differ), the error the scheme itself makes against the exact weights, the panels'
-dequantization, and the AVX2 and plain x86-64 builds."""
+may differ), the error the scheme itself makes against the exact weights, the panel layout,
+and the AVX2 and plain x86-64 builds."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, quants
 
 from kvrelay.models.gguf_blocks import (
     GgufBlocks,
+    QuantizedWeightError,
     dequantize_q4_1,
     dequantize_q8_0,
     q4_1_blocks,
@@ -51,8 +52,8 @@ def _weight(fmt: str, out: int, inp: int, seed: int) -> tuple[GgufBlocks, torch.
 def _matmul(
     ops: ModuleType, blocks: GgufBlocks, x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`x @ W.T` by `ops`, the weight repacked into `ops`' own panels."""
-    panels = int8_panels(ops, blocks)
+    """`x @ W.T` by `ops`, the weight repacked into panels."""
+    panels = int8_panels(blocks)
     out: torch.Tensor
     if panels.m is not None:
         out = ops.q4_1_int8_matmul(x, panels.codes, panels.d, panels.m, bias)
@@ -113,7 +114,7 @@ def test_the_activation_codes_are_the_scheme_bit_for_bit(ops: ModuleType) -> Non
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("in_features", [32, 96, 576])
 @pytest.mark.parametrize("out_rows", [16, 48, 160])  # one panel; pairs and a lone one
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 31])  # input tiles of 4, 2 and 1
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 31, 40])  # tiles of 4, 2 and 1
 def test_matmul_equals_the_scheme(
     ops: ModuleType, fmt: str, in_features: int, out_rows: int, rows: int
 ) -> None:
@@ -178,22 +179,29 @@ def test_non_finite_input_poisons_its_row_only(ops: ModuleType, fmt: str) -> Non
         assert torch.equal(out[[0, 2]], _matmul(ops, blocks, x)[[0, 2]])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_panels_dequantize_to_the_gguf_weight(ops: ModuleType, fmt: str) -> None:
-    blocks, weight = _weight(fmt, 48, 96, seed=7)
-    panels = int8_panels(ops, blocks)
-    assert panels.codes.shape[0] == 3 and panels.d.dtype == torch.float16
-    dense = ops.panels_dequantize(panels.codes, panels.d, panels.m, torch.float32)
-    assert torch.equal(dense, weight)  # d * q + m is exact in fp32
-    bf16 = ops.panels_dequantize(panels.codes, panels.d, panels.m, torch.bfloat16)
-    assert torch.equal(bf16, weight.bfloat16())  # rounded as torch rounds
-    with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
-        ops.panels_dequantize(panels.codes, panels.d, panels.m, torch.float16)
+def test_panels_hold_each_rows_words_side_by_side() -> None:
+    # Q8_0 codes 0..31 in every block of row r + 1 (scaled by r): word j of row i of a panel
+    # is bytes 4j..4j+3 of that row's block.
+    codes = (torch.arange(32, dtype=torch.int8).repeat(32, 3)).contiguous()
+    d = torch.arange(32, dtype=torch.float32)[:, None].repeat(1, 3)
+    panels = int8_panels(GgufBlocks(codes, d, None))
+    assert panels.codes.shape == (2, 3 * 8 * 16 * 4) and panels.m is None
+    cells = panels.codes.reshape(2, 3, 8, 16, 4)
+    assert cells[1, 2, 5, 7].tolist() == [20, 21, 22, 23]
+    assert panels.d.dtype == torch.float16 and panels.d.reshape(2, 3, 16)[1, 0, 7] == 23
+    q4, _ = _weight("q4_1", 32, 64, seed=7)
+    assert q4.m is not None
+    q4_panels = int8_panels(q4)
+    assert q4_panels.m is not None and q4_panels.codes.shape == (2, 2 * 4 * 16 * 4)
+    row, block = 16 + 5, 1  # panel 1, row 5: its GGUF bytes 4..7 are word 1
+    word = q4_panels.codes.reshape(2, 2, 4, 16, 4)[1, block, 1, 5]
+    assert torch.equal(word, q4.codes[row, block * 16 + 4 : block * 16 + 8])
+    assert q4_panels.m.reshape(2, 2, 16)[1, block, 5] == q4.m[row, block].half()
 
 
 def test_bad_arguments_are_refused(ops: ModuleType) -> None:
     q8_blocks, _ = _weight("q8_0", 16, 64, seed=1)
-    q8 = int8_panels(ops, q8_blocks)
+    q8 = int8_panels(q8_blocks)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.q8_0_int8_matmul(torch.zeros(2, 64, dtype=torch.float16), q8.codes, q8.d, None)
     with pytest.raises(RuntimeError, match=r"\[rows, in_features\]"):
@@ -205,21 +213,15 @@ def test_bad_arguments_are_refused(ops: ModuleType) -> None:
     with pytest.raises(RuntimeError, match="bias must be float32 or bfloat16"):
         ops.q8_0_int8_matmul(torch.zeros(2, 64), q8.codes, q8.d, torch.zeros(7))
     q4_blocks, _ = _weight("q4_1", 16, 64, seed=1)
-    q4 = int8_panels(ops, q4_blocks)
+    q4 = int8_panels(q4_blocks)
     assert q4.m is not None
     with pytest.raises(RuntimeError, match="panel scales must be contiguous float16"):
         ops.q4_1_int8_matmul(torch.zeros(2, 64), q4.codes, q4.d, q4.m[:, :1].contiguous(), None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.int8_quantize(torch.zeros(2, 48))
-    # Repacking takes whole panels of 16 rows and GGUF-shaped blocks only.
-    few, _ = _weight("q4_1", 8, 64, seed=1)
-    assert few.m is not None
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        ops.q4_1_panels(few.codes, few.d, few.m)
-    with pytest.raises(RuntimeError, match="Q8_0 codes must be int8"):
-        ops.q8_0_panels(q8_blocks.codes.view(torch.uint8), q8_blocks.d)
-    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
-        ops.q8_0_panels(q8_blocks.codes, q8_blocks.d.half())
+    few, _ = _weight("q4_1", 8, 64, seed=1)  # panels take whole 16-row groups
+    with pytest.raises(QuantizedWeightError, match="panels of 16"):
+        int8_panels(few)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "plain"])
@@ -240,9 +242,6 @@ def test_other_instruction_sets_compute_the_same(ops: ModuleType, isa: str) -> N
     for mine, theirs in zip(ops.int8_quantize(x), other.int8_quantize(x), strict=True):
         assert torch.equal(mine, theirs)
     for fmt in FORMATS:
-        blocks, weight = _weight(fmt, 48, 96, seed=11)
-        panels = int8_panels(other, blocks)  # its own panels: Q8_0's codes are signed there
-        dense = other.panels_dequantize(panels.codes, panels.d, panels.m, torch.float32)
-        assert torch.equal(dense, weight)
+        blocks, _ = _weight(fmt, 48, 96, seed=11)
         _assert_matches_scheme(_matmul(other, blocks, x), x, blocks)
         torch.testing.assert_close(_matmul(other, blocks, x), _matmul(ops, blocks, x))

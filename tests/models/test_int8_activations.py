@@ -41,7 +41,7 @@ def _quantized_layers(model: Any) -> list[Int4PlanesLinear]:
     return [m for m in model.layers.modules() if isinstance(m, Int4PlanesLinear)]
 
 
-def test_few_rows_take_the_int8_kernel_and_many_rows_the_exact_path(folder: Path) -> None:
+def test_every_row_count_takes_the_int8_kernel(folder: Path) -> None:
     model = _load(folder, quantization="q4_1", int8_activations=True)
     exact = _load(folder, quantization="q4_1")
     layers, exact_layers = _quantized_layers(model), _quantized_layers(exact)
@@ -52,13 +52,13 @@ def test_few_rows_take_the_int8_kernel_and_many_rows_the_exact_path(folder: Path
     layer, twin = layers[2], exact_layers[2]  # layer 0's gate_up: [192, 64]
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for rows in (1, 5, DENSE_FROM_ROWS - 1):
+        # Prefill chunks too: the int8 kernel beat the dequantized dense matmul at 512 rows.
+        for rows in (1, 5, DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 3 * DENSE_FROM_ROWS):
             x = torch.randn(rows, layer.in_features, generator=gen)
             expected = ops.q4_1_int8_matmul(x, layer.codes, layer.d, layer.m, None)
             assert torch.equal(layer(x), expected)
             assert not torch.equal(layer(x), twin(x))  # the int8 rounding shows
-        x = torch.randn(DENSE_FROM_ROWS, layer.in_features, generator=gen)
-        assert torch.equal(layer(x), twin(x))  # prefill chunks dequantize: exact weights
+            torch.testing.assert_close(layer(x), twin(x), rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,7 @@
-// GGUF Q4_1 and Q8_0 weights times activations quantized to int8 (llama.cpp's scheme), for
-// steps of few rows: integer dot products (AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`) instead
-// of turning every weight into fp32 (block_quant_matmul.cpp), whose conversions and
-// multiply-adds bound that loop at one row.
+// GGUF Q4_1 and Q8_0 weights times activations quantized to int8 (llama.cpp's scheme):
+// integer dot products (AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`) instead of turning every
+// weight into fp32 (block_quant_matmul.cpp), whose conversions and multiply-adds bound that
+// loop at one row; from one decode row to a 512-token prefill chunk.
 //
 // Each call quantizes its input rows once: a block of 32 values gets the scale
 // dx = max|x| / 127 and the codes qx = x * (1 / dx) rounded half to even, in -127..127 (the
@@ -14,22 +14,23 @@
 // so the path is opt-in (`int8_activations`). AVX-512, AVX2 and scalar builds agree to fp32
 // rounding, not bit for bit.
 //
-// The weights are repacked once, at load, into panels of 16 output rows (`*_panels`): for each
-// block, the 4-byte words of the 16 rows side by side, so one 512-bit register holds four
+// The weights are repacked once, at load, into panels of 16 output rows
+// (`kvrelay.models.quantized.int8_panels`): for each block, the 4-byte words of the 16 rows
+// side by side, so one 512-bit register holds four
 // codes of each of 16 rows and one `vpdpbusd` with a broadcast activation word adds four
 // products to each row's sum. A block of 16 rows then takes 8 dot instructions and one scale
 // step, and the 16 sums are 16 outputs: no horizontal sums. (Two blocks of one row per
 // register, the obvious layout, took 4 instructions per 64 products and ran at a third of
 // this speed on a 2-core Zen 4.) Q4_1 needs no shuffle: byte 4g + k of a GGUF block holds
 // elements 4g + k (low nibble) and 16 + 4g + k (high), so word g of each row, masked or
-// shifted, meets activation words g and g + 4. Q8_0 codes are stored plus 128 (unsigned, as
-// `vpdpbusd` takes them) on AVX512-VNNI, and 128 * sum(qx) is taken off by starting each
-// block's sum at minus that; AVX2 stores them signed and moves their signs to the activations.
-// Scales stay fp16 as in the file (a quarter fewer bytes to stream than fp32).
+// shifted, meets activation words g and g + 4. Q8_0 codes (signed) are made unsigned for
+// `vpdpbusd` by adding 128 as they are loaded, and 128 * sum(qx) is taken off by starting each
+// block's sum at minus that; AVX2 moves their signs to the activations instead. Scales stay
+// fp16 as in the file (a quarter fewer bytes to stream than fp32).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <c10/util/Half.h>  // fp16 scales, in the plain C++ path
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -54,11 +55,6 @@ constexpr int64_t kBlock = 32;         // values per block, weights and activati
 constexpr int64_t kQ41CodeBytes = 16;  // a Q4_1 block's codes (two per byte)
 constexpr int64_t kLanes = 16;         // output rows per panel
 constexpr int kMaxCode = 127;
-#if defined(KVRELAY_VNNI512)
-constexpr bool kQ80Unsigned = true;  // Q8_0 panel codes stored plus 128
-#else
-constexpr bool kQ80Unsigned = false;
-#endif
 
 // ---------------------------------------------------------------------------------------
 // Activations
@@ -162,14 +158,17 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
   a.d.resize(rows * a.blocks);
   a.s.resize(rows * a.blocks);
   a.sums.resize(rows * a.blocks);
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const int64_t at = t * a.blocks + b;
-      quantize_block_simd(x + t * k + b * kBlock, a.codes.data() + t * k + b * kBlock, a.d[at],
-                          a.sums[at]);
-      a.s[at] = a.d[at] * static_cast<float>(a.sums[at]);
+  // Rows apart from 16 on (a prefill chunk's 512 rows of 1,536 values is a few hundred us).
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const int64_t at = t * a.blocks + b;
+        quantize_block_simd(x + t * k + b * kBlock, a.codes.data() + t * k + b * kBlock, a.d[at],
+                            a.sums[at]);
+        a.s[at] = a.d[at] * static_cast<float>(a.sums[at]);
+      }
     }
-  }
+  });
   return a;
 }
 
@@ -257,7 +256,8 @@ inline void block_step(const Panels& w, int64_t p, int64_t b, const Activations&
       codes[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
     }
   } else {
-    for (int j = 0; j < 8; ++j) codes[j] = _mm512_loadu_si512(bytes + j * 64);
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));  // qw + 128, unsigned
+    for (int j = 0; j < 8; ++j) codes[j] = _mm512_xor_si512(_mm512_loadu_si512(bytes + j * 64), offset);
   }
   for (int t = 0; t < MT; ++t) {
     const int64_t xt = (t0 + t) * a.blocks + b;
@@ -464,53 +464,7 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& codes,
   return out;
 }
 
-void check_rows(const torch::Tensor& codes, const torch::Tensor& d, int64_t code_bytes,
-                const char* what) {
-  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 2 && codes.size(0) % kLanes == 0 &&
-                  codes.size(1) % code_bytes == 0,
-              what, " codes must be contiguous [out_features, ...] with out_features a multiple "
-              "of 16 and whole blocks");
-  const int64_t blocks = codes.size(1) / code_bytes;
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 &&
-                  d.size(0) == codes.size(0) && d.size(1) == blocks,
-              "scales must be contiguous float32 [out_features, in_features / 32]");
-}
-
-// [N, blocks] fp32 scales (fp16 values) -> [N / 16, blocks * 16] fp16, rows side by side.
-torch::Tensor panel_scales(const torch::Tensor& s) {
-  const int64_t n = s.size(0), blocks = s.size(1);
-  return s.to(at::kHalf).reshape({n / kLanes, kLanes, blocks}).transpose(1, 2).contiguous()
-      .reshape({n / kLanes, blocks * kLanes});
-}
-
-// [N, blocks, words, 4] bytes -> [N / 16, blocks, words, 16, 4]: each word of the 16 rows of a
-// panel side by side.
-torch::Tensor panel_words(const torch::Tensor& bytes, int64_t blocks, int64_t words) {
-  const int64_t n = bytes.size(0);
-  return bytes.reshape({n / kLanes, kLanes, blocks, words, 4})
-      .permute({0, 2, 3, 1, 4})
-      .contiguous()
-      .reshape({n / kLanes, blocks * words * kLanes * 4});
-}
-
 }  // namespace
-
-std::vector<torch::Tensor> q4_1_panels(const torch::Tensor& codes, const torch::Tensor& d,
-                                       const torch::Tensor& m) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte, "Q4_1 codes must be uint8 [out_features, in / 2]");
-  check_rows(codes, d, kQ41CodeBytes, "Q4_1");
-  check_rows(codes, m, kQ41CodeBytes, "Q4_1");
-  const int64_t blocks = d.size(1);
-  return {panel_words(codes, blocks, 4), panel_scales(d), panel_scales(m)};
-}
-
-std::vector<torch::Tensor> q8_0_panels(const torch::Tensor& codes, const torch::Tensor& d) {
-  TORCH_CHECK(codes.scalar_type() == at::kChar, "Q8_0 codes must be int8 [out_features, in]");
-  check_rows(codes, d, kBlock, "Q8_0");
-  torch::Tensor bytes = codes.view(at::kByte);
-  if (kQ80Unsigned) bytes = bytes.bitwise_xor(0x80);  // qw + 128
-  return {panel_words(bytes, d.size(1), 8), panel_scales(d)};
-}
 
 torch::Tensor q4_1_int8_matmul(const torch::Tensor& x, const torch::Tensor& codes,
                                const torch::Tensor& d, const torch::Tensor& m,
@@ -521,133 +475,6 @@ torch::Tensor q4_1_int8_matmul(const torch::Tensor& x, const torch::Tensor& code
 torch::Tensor q8_0_int8_matmul(const torch::Tensor& x, const torch::Tensor& codes,
                                const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
   return panel_matmul<false>(x, codes, d, c10::nullopt, bias);
-}
-
-namespace {
-
-// A panel block's 16 fp16 scales as floats.
-inline void halves_to_floats(const uint16_t* at, float (&out)[kLanes]) {
-#if defined(KVRELAY_VNNI512)
-  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))));
-#elif defined(KVRELAY_AVX2)
-  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
-  _mm256_storeu_ps(out + 8,
-                   _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 8))));
-#else
-  for (int64_t i = 0; i < kLanes; ++i) out[i] = c10::detail::fp16_ieee_to_fp32_value(at[i]);
-#endif
-}
-
-// Row i of a panel's block as the GGUF stores it (Q4_1: 16 bytes, low nibbles elements 0-15;
-// Q8_0: 32 signed codes), then in `out` as floats: d * q + m, exact in fp32.
-#if defined(KVRELAY_VNNI512)
-inline void store_floats(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-// Rounded to nearest even as c10::BFloat16 rounds (the values here are finite).
-inline void store_floats(c10::BFloat16* out, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-inline uint32_t word_at(const uint8_t* p) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  return w;
-}
-
-template <bool kQ41, typename T>
-inline void dequantize_lane(const uint8_t* block, int64_t i, float scale, float offset, T* out) {
-  const __m512 vs = _mm512_set1_ps(scale), vo = _mm512_set1_ps(offset);
-  const uint8_t* lane = block + i * 4;
-  if (kQ41) {
-    const __m128i raw = _mm_set_epi32(word_at(lane + 3 * 64), word_at(lane + 2 * 64),
-                                      word_at(lane + 64), word_at(lane));
-    const __m512i wide = _mm512_cvtepu8_epi32(raw);
-    const __m512i low = _mm512_and_si512(wide, _mm512_set1_epi32(15));
-    const __m512i high = _mm512_srli_epi32(wide, 4);
-    store_floats(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), vs, vo));
-    store_floats(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), vs, vo));
-  } else {
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* at = lane + half * 4 * 64;
-      __m128i raw = _mm_set_epi32(word_at(at + 3 * 64), word_at(at + 2 * 64), word_at(at + 64),
-                                  word_at(at));
-      if (kQ80Unsigned) raw = _mm_xor_si128(raw, _mm_set1_epi8(static_cast<char>(0x80)));
-      const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-      store_floats(out + 16 * half, _mm512_mul_ps(codes, vs));
-    }
-  }
-}
-#else
-template <bool kQ41, typename T>
-inline void dequantize_lane(const uint8_t* block, int64_t i, float scale, float offset, T* out) {
-  constexpr int64_t kWords = words_per_block<kQ41>();
-  uint8_t raw[kWords * 4];
-  for (int64_t j = 0; j < kWords; ++j) std::memcpy(raw + 4 * j, block + (j * kLanes + i) * 4, 4);
-  float values[kBlock];
-  if (kQ41) {
-    for (int64_t e = 0; e < 16; ++e) {
-      values[e] = scale * static_cast<float>(raw[e] & 15) + offset;
-      values[e + 16] = scale * static_cast<float>(raw[e] >> 4) + offset;
-    }
-  } else {
-    for (int64_t e = 0; e < kBlock; ++e) {
-      const uint8_t byte = kQ80Unsigned ? raw[e] ^ 0x80 : raw[e];
-      values[e] = scale * static_cast<float>(static_cast<int8_t>(byte));
-    }
-  }
-  for (int64_t e = 0; e < kBlock; ++e) out[e] = static_cast<T>(values[e]);
-}
-#endif
-
-template <bool kQ41, typename T>
-void dequantize_panels(const Panels& w, T* out) {
-  const int64_t k = w.blocks * kBlock;
-  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t b = 0; b < w.blocks; ++b) {
-        const int64_t at = p * w.blocks + b;
-        const uint8_t* block = w.codes + at * panel_block_bytes<kQ41>();
-        float scales[kLanes], offsets[kLanes] = {};
-        halves_to_floats(w.d + at * kLanes, scales);
-        if (kQ41) halves_to_floats(w.m + at * kLanes, offsets);
-        for (int64_t i = 0; i < kLanes; ++i) {
-          dequantize_lane<kQ41>(block, i, scales[i], offsets[i],
-                                out + (p * kLanes + i) * k + b * kBlock);
-        }
-      }
-    }
-  });
-}
-
-template <bool kQ41>
-torch::Tensor dequantize_as(const Panels& w, at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
-  torch::Tensor out = torch::empty({w.panels * kLanes, w.blocks * kBlock}, torch::dtype(dtype));
-  if (dtype == at::kFloat) {
-    dequantize_panels<kQ41>(w, out.data_ptr<float>());
-  } else {
-    dequantize_panels<kQ41>(w, out.data_ptr<c10::BFloat16>());
-  }
-  return out;
-}
-
-}  // namespace
-
-// The dense [N, K] weight of Q4_1 (with `m`) or Q8_0 panels, in `dtype` (fp32 or bf16), for
-// batches of many rows: d * q + m in fp32 is exact, so this equals the GGUF's own
-// dequantization (and block_quant_matmul.cpp's).
-torch::Tensor panels_dequantize(const torch::Tensor& codes, const torch::Tensor& d,
-                                const c10::optional<torch::Tensor>& m, at::ScalarType dtype) {
-  const bool q4_1 = m.has_value();
-  const int64_t block_bytes = q4_1 ? panel_block_bytes<true>() : panel_block_bytes<false>();
-  check_panels(codes, d, m, block_bytes);
-  const Panels w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                 q4_1 ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr,
-                 codes.size(0), codes.size(1) / block_bytes};
-  return q4_1 ? dequantize_as<true>(w, dtype) : dequantize_as<false>(w, dtype);
 }
 
 // The activations' codes in element order, their scales and their sums per block, as the
@@ -669,14 +496,10 @@ std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("q4_1_panels", &q4_1_panels,
-             "GGUF Q4_1 blocks (codes, d, m) repacked into panels of 16 rows");
-  module.def("q8_0_panels", &q8_0_panels, "GGUF Q8_0 blocks (codes, d) repacked into panels");
   module.def("q4_1_int8_matmul", &q4_1_int8_matmul,
              "x @ W.T over Q4_1 panels, x quantized to int8 per 32 values (+ bias)");
   module.def("q8_0_int8_matmul", &q8_0_int8_matmul,
              "x @ W.T over Q8_0 panels, x quantized to int8 per 32 values (+ bias)");
-  module.def("panels_dequantize", &panels_dequantize, "the dense [out, in] weight of panels");
   module.def("int8_quantize", &int8_quantize,
              "x's int8 codes, fp32 scales and int32 code sums per block of 32");
 }

@@ -24,9 +24,9 @@ dequantized fp32 matmul). See `Int4PlanesLinear`.
 `KVRELAY_CPU_QUANT_KERNEL=torch` runs torch's int4 kernel alone (for comparisons).
 
 With `int8_activations` the layers hold the blocks repacked in panels of 16 rows instead
-(`int8_panels`), and few-row batches quantize their activations to int8 per 32 values
-(llama.cpp's scheme) and run integer dot products (`csrc_cpu/int8_dot_matmul.cpp`): faster,
-and NOT exact (opt-in, `--int8-activations`); prefill chunks dequantize the panels exactly.
+(`int8_panels`), and every batch, decode rows and prefill chunks alike, quantizes its
+activations to int8 per 32 values (llama.cpp's scheme) and runs integer dot products
+(`csrc_cpu/int8_dot_matmul.cpp`): faster, and NOT exact (opt-in, `--int8-activations`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ QUANT_KERNEL_ENV = "KVRELAY_CPU_QUANT_KERNEL"  # "auto" (ours where it builds) o
 # (`benchmarks/quantized_decode.py --layers`: at 16 rows about even, at 64 rows 2-3x apart).
 DENSE_FROM_ROWS = 32
 DENSE_SLICE_ROWS = 4096  # output rows dequantized at a time for that (a few MB)
+_PANEL_ROWS = 16  # output rows per panel of the int8 kernel
 
 
 def block_kernel() -> ModuleType | None:
@@ -81,13 +82,36 @@ def int8_dot_kernel() -> ModuleType | None:
     return load_int8_dot_ops() if block_kernel() is not None else None
 
 
-def int8_panels(ops: ModuleType, blocks: GgufBlocks) -> GgufBlocks:
-    """`blocks` repacked for the int8 kernel (`ops`): panels of 16 rows, fp16 scales
-    (`[out / 16, ...]` each; see csrc_cpu/int8_dot_matmul.cpp)."""
-    if blocks.m is not None:
-        return GgufBlocks(*ops.q4_1_panels(blocks.codes, blocks.d, blocks.m))
-    codes, d = ops.q8_0_panels(blocks.codes, blocks.d)
-    return GgufBlocks(codes, d, None)
+def int8_panels(weight: GgufBlocks) -> GgufBlocks:
+    """`weight`'s blocks repacked for the int8 kernel: panels of 16 rows (see
+    csrc_cpu/int8_dot_matmul.cpp).
+
+    Per panel and block, the blocks' 4-byte words of the 16 rows side by side: codes
+    `[out / 16, blocks * words * 16 * 4]` uint8 (Q4_1: 4 words a block, Q8_0: 8, its codes'
+    bits as they are), scales (and offsets) `[out / 16, blocks * 16]` fp16 (the file's own
+    values, so the cast is exact).
+
+    Raises:
+        QuantizedWeightError: `out` is not a multiple of 16.
+    """
+    rows, blocks = weight.d.shape
+    if rows % _PANEL_ROWS:
+        raise QuantizedWeightError(
+            f"{rows} output rows do not make panels of {_PANEL_ROWS}; load this model "
+            "without --int8-activations"
+        )
+    panels = rows // _PANEL_ROWS
+
+    def words(codes: torch.Tensor) -> torch.Tensor:
+        cells = codes.view(torch.uint8).reshape(panels, _PANEL_ROWS, blocks, -1, 4)
+        return cells.permute(0, 2, 3, 1, 4).reshape(panels, -1).contiguous()
+
+    def scales(values: torch.Tensor) -> torch.Tensor:
+        cells = values.half().reshape(panels, _PANEL_ROWS, blocks)
+        return cells.transpose(1, 2).reshape(panels, -1).contiguous()
+
+    offsets = scales(weight.m) if weight.m is not None else None
+    return GgufBlocks(words(weight.codes), scales(weight.d), offsets)
 
 
 def int4_kernel_fits(out_features: int, in_features: int) -> bool:
@@ -140,9 +164,9 @@ class Int4PlanesLinear(nn.Module):
         compute_dtype: the activations' dtype inside torch's matmul, and the dense
             weight's for many rows.
         label: the source format, for `repr`.
-        int8_activations: few rows are quantized to int8 per 32 values and multiplied by
-            integer dot products (`kvrelay_kernels.cpu_quantized.load_int8_dot_ops`): 2-4x
-            faster at one row, NOT exact (the activations are rounded to 8 bits).
+        int8_activations: inputs are quantized to int8 per 32 values and multiplied by
+            integer dot products (`kvrelay_kernels.cpu_quantized.load_int8_dot_ops`), at
+            every row count: faster, NOT exact (the activations are rounded to 8 bits).
 
         Raises:
             QuantizedWeightError: the shape does not fit torch's int4 kernel, or
@@ -171,7 +195,7 @@ class Int4PlanesLinear(nn.Module):
             )
         if self.ops is not None:
             if self.int8_ops is not None:  # held in the int8 kernel's panels instead
-                blocks = int8_panels(self.int8_ops, blocks)
+                blocks = int8_panels(blocks)
             for name, value in blocks._asdict().items():
                 self.register_buffer(name, value, persistent=False)
         self.blocks_for_few_rows = self.ops is not None and (
@@ -184,7 +208,9 @@ class Int4PlanesLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out]
         few = self._few_rows
-        if few is not None and x.shape[0] < DENSE_FROM_ROWS:
+        # int8 activations take the int8 kernel at every row count: at 512 rows it was 2.5x
+        # the dequantized dense matmul (oneDNN bf16) on a 2-core Zen 4.
+        if few is not None and (self.int8_ops is not None or x.shape[0] < DENSE_FROM_ROWS):
             kernel, weights = few
             return kernel(x, *weights)  # in x's dtype
         if self.ops is not None and x.shape[0] >= DENSE_FROM_ROWS:
@@ -231,14 +257,7 @@ class Int4PlanesLinear(nn.Module):
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The `[out, in]` weight (or those `rows` of it) in `compute_dtype` (block kernel
         only; made per call)."""
-        assert self.ops is not None
-        if self.int8_ops is not None:  # panels of 16 rows
-            panels = slice(_div16(rows.start), _div16(rows.stop))
-            m = self.m[panels] if self.m is not None else None
-            out = self.int8_ops.panels_dequantize(
-                self.codes[panels], self.d[panels], m, self.compute_dtype
-            )
-            return cast(torch.Tensor, out)
+        assert self.ops is not None and self.int8_ops is None, "int8 layers hold panels"
         codes, d = self.codes[rows], self.d[rows]
         if self.m is not None:
             weight = self.ops.q4_1_dequantize(codes, d, self.m[rows], self.compute_dtype)
@@ -248,18 +267,14 @@ class Int4PlanesLinear(nn.Module):
 
     def extra_repr(self) -> str:
         few = "kvrelay blocks" if self.blocks_for_few_rows else "torch int4"
-        if self.int8_ops is not None:
-            few = "kvrelay blocks x int8 activations"
         many = "kvrelay dequantized, dense" if self.ops is not None else few
+        if self.int8_ops is not None:
+            few = many = "kvrelay panels x int8 activations"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.label}, compute={self.compute_dtype}, few rows={few}, "
             f"from {DENSE_FROM_ROWS} rows={many}"
         )
-
-
-def _div16(row: int | None) -> int | None:
-    return None if row is None else row // 16
 
 
 class _TorchInt4Planes(nn.Module):
