@@ -78,6 +78,19 @@ def test_the_model_stays_close_to_its_dequantized_twin(
     assert agree >= 0.8
 
 
+def test_the_vocab_projection_reads_the_embedding_blocks_at_every_row_count(
+    folder: Path,
+) -> None:
+    model = _load(folder, torch.bfloat16, quantization="q4_1", int8_activations=True)
+    model.prepack()
+    assert model.packed_logits is None  # no dense packed copy of the embedding is kept
+    hidden = torch.randn(3 * DENSE_FROM_ROWS, 64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = model.compute_logits(hidden.bfloat16())
+        blocks = model.quantized_logits(hidden.bfloat16().float())
+    assert got.dtype == torch.float32 and torch.equal(got, blocks)  # fp32 logits, not bf16
+
+
 def test_refused_without_quantized_weights(folder: Path) -> None:
     with pytest.raises(QuantizationError, match="add --quantization"):
         _load(folder, int8_activations=True)

@@ -6,6 +6,7 @@ the kernel backend's `write_kv` + `paged_attention`. No weight loading here (see
 
 from __future__ import annotations
 
+import sys
 from typing import cast
 
 import torch
@@ -23,6 +24,7 @@ from kvrelay_kernels import AttentionBackend
 # 10.6 ms at 1 / 2 / 4 / 8 rows against 10.3 / 10.1 / 10.8 / 11.6 for oneDNN's packed
 # weight, which wins from 16 rows on (the block loop's multiply-adds, not its bytes, bound it).
 QUANTIZED_LOGITS_BELOW_ROWS = 8
+ALL_ROWS = sys.maxsize  # int8 activations: their vocab projection wins at every row count
 
 
 def has_o_proj_bias(config: ModelConfig) -> bool:
@@ -143,8 +145,10 @@ class CausalLM(nn.Module):
         self.lm_head: Linear | None = None
         # Set by prepack() for tied embeddings: the vocab projection's packed copy.
         self.packed_logits: PackedLinear | None = None
-        # Set by the GGUF loader (fp32, tied embeddings): the embedding's own blocks.
+        # Set by the GGUF loader (fp32 or int8 activations, tied embeddings): the
+        # embedding's own blocks, for steps of fewer rows than `quantized_logits_below_rows`.
         self.quantized_logits: nn.Module | None = None
+        self.quantized_logits_below_rows = QUANTIZED_LOGITS_BELOW_ROWS
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
@@ -213,7 +217,9 @@ class CausalLM(nn.Module):
                 module.prepack()
                 if module.packed is not None:
                     packed.append((module.weight, module.bias, module.packed))
-        if self.lm_head is None and can_prepack(self.embed_tokens.weight):
+        # Tied, and not every row on the embedding's blocks (int8 activations).
+        dense_logits = self.lm_head is None and self.quantized_logits_below_rows != ALL_ROWS
+        if dense_logits and can_prepack(self.embed_tokens.weight):
             self.packed_logits = PackedLinear(self.embed_tokens.weight, None)
             packed.append((self.embed_tokens.weight, None, self.packed_logits))
         choose_single_row_paths(packed)
@@ -221,7 +227,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
         quantized = self.quantized_logits
-        if quantized is not None and hidden.shape[0] < QUANTIZED_LOGITS_BELOW_ROWS:
+        if quantized is not None and hidden.shape[0] < self.quantized_logits_below_rows:
             return cast(torch.Tensor, quantized(hidden.float()))  # fp32 in, fp32 logits
         packed = self.packed_logits
         if packed is not None and (hidden.shape[0] > 1 or packed.single_row):

@@ -19,6 +19,7 @@ from kvrelay.config import ModelConfig
 from kvrelay.models.gguf_blocks import dequantize
 from kvrelay.models.gguf_convert import hf_tensor_name, read_gguf_weights, read_raw_gguf_tensor
 from kvrelay.models.layers import Linear
+from kvrelay.models.llama import ALL_ROWS, CausalLM
 from kvrelay.models.quantized import (
     block_kernel,
     int4_kernel_fits,
@@ -210,7 +211,7 @@ def install_quantized_linears(
 
 
 def install_quantized_logits(
-    model: nn.Module, gguf: Path, dtype: torch.dtype, int8_activations: bool = False
+    model: CausalLM, gguf: Path, dtype: torch.dtype, int8_activations: bool = False
 ) -> bool:
     """Give a tied-embedding model's vocab projection the GGUF's own blocks of the token
     embedding (`model.quantized_logits`), for steps of few rows; whether it did.
@@ -222,7 +223,7 @@ def install_quantized_logits(
     (two threads); in bf16, where the dense weight is half the bytes, the fp32 block loop
     was not worth a second copy (the int8 one is).
     """
-    if getattr(model, "lm_head", None) is not None:
+    if model.lm_head is not None:
         return False
     if dtype != torch.float32 and not int8_activations:
         return False
@@ -237,5 +238,7 @@ def install_quantized_logits(
     if not layer.blocks_for_few_rows:
         return False
     model.quantized_logits = layer
+    if int8_activations:  # the int8 kernel beat oneDNN's packed bf16 at 16 rows too
+        model.quantized_logits_below_rows = ALL_ROWS
     logger.info("the vocab projection of few rows runs on the GGUF's %s blocks", layer.label)
     return True
