@@ -6,26 +6,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
 
 from kvrelay.models.gguf_blocks import (
     GgufBlocks,
-    dequantize_q4_1,
-    dequantize_q8_0,
-    q4_1_blocks,
-    q8_0_blocks,
 )
 from kvrelay_kernels.cpu_extension import CSRC_CPU
 from kvrelay_kernels.cpu_quantized import load_block_quant_ops
-
-FORMATS = {
-    "q4_1": (GGMLQuantizationType.Q4_1, q4_1_blocks, dequantize_q4_1),
-    "q8_0": (GGMLQuantizationType.Q8_0, q8_0_blocks, dequantize_q8_0),
-}
+from tests.kernels.gguf_weights import FORMATS, gguf_weight
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +23,6 @@ def ops() -> ModuleType:
     module = load_block_quant_ops()
     assert module is not None, "the CPU block kernel did not build (is a C++ compiler there?)"
     return module
-
-
-def _weight(fmt: str, out: int, inp: int, seed: int) -> tuple[GgufBlocks, torch.Tensor]:
-    """gguf's own quantization of a random `[out, inp]` weight: its blocks and its exact
-    fp32 dequantization."""
-    rng = np.random.default_rng(seed)
-    dense = rng.standard_normal((out, inp)) * 0.05 + rng.standard_normal((out, 1)) * 0.02
-    kind, blocks_of, dequantize = FORMATS[fmt]
-    raw = torch.from_numpy(np.array(quants.quantize(dense.astype(np.float32), kind)))
-    return blocks_of(raw, inp), dequantize(raw, inp)
 
 
 def _matmul(
@@ -71,7 +51,7 @@ def _dequantize(ops: ModuleType, blocks: GgufBlocks, dtype: torch.dtype) -> torc
 def test_fp32_equals_the_dequantized_matmul(
     ops: ModuleType, fmt: str, out_rows: int, rows: int
 ) -> None:
-    blocks, weight = _weight(fmt, out_rows, 96, seed=rows * 100 + out_rows)
+    blocks, weight = gguf_weight(fmt, out_rows, 96, seed=rows * 100 + out_rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen)
     bias = torch.randn(out_rows, generator=gen)
@@ -84,7 +64,7 @@ def test_fp32_equals_the_dequantized_matmul(
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_input_rounds_the_fp32_result_once(ops: ModuleType, fmt: str) -> None:
-    blocks, _ = _weight(fmt, 64, 128, seed=5)
+    blocks, _ = gguf_weight(fmt, 64, 128, seed=5)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 128, generator=gen).bfloat16()
     bias = torch.randn(64, generator=gen).bfloat16()
@@ -96,7 +76,7 @@ def test_bf16_input_rounds_the_fp32_result_once(ops: ModuleType, fmt: str) -> No
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_is_exact(ops: ModuleType, fmt: str) -> None:
-    blocks, weight = _weight(fmt, 20, 64, seed=9)
+    blocks, weight = gguf_weight(fmt, 20, 64, seed=9)
     assert torch.equal(_dequantize(ops, blocks, torch.float32), weight)
     assert torch.equal(_dequantize(ops, blocks, torch.bfloat16), weight.bfloat16())
     with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
@@ -104,7 +84,7 @@ def test_dequantize_is_exact(ops: ModuleType, fmt: str) -> None:
 
 
 def test_bad_arguments_are_refused(ops: ModuleType) -> None:
-    blocks, _ = _weight("q8_0", 8, 64, seed=1)
+    blocks, _ = gguf_weight("q8_0", 8, 64, seed=1)
     codes, d = blocks.codes, blocks.d
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.q8_0_matmul(torch.zeros(2, 64, dtype=torch.float16), codes, d, None)
@@ -116,7 +96,7 @@ def test_bad_arguments_are_refused(ops: ModuleType) -> None:
         ops.q8_0_matmul(torch.zeros(2, 64), codes, d.half(), None)
     with pytest.raises(RuntimeError, match="bias must be contiguous float32 or bfloat16"):
         ops.q8_0_matmul(torch.zeros(2, 64), codes, d, torch.zeros(7))
-    q4, _ = _weight("q4_1", 8, 64, seed=1)
+    q4, _ = gguf_weight("q4_1", 8, 64, seed=1)
     assert q4.m is not None
     with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
         ops.q4_1_dequantize(q4.codes.view(torch.int8), q4.d, q4.m, torch.float32)
@@ -151,7 +131,7 @@ def test_other_instruction_sets_compute_the_same(
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(5, 128, generator=gen)
     for fmt in FORMATS:
-        blocks, weight = _weight(fmt, 36, 128, seed=11)
+        blocks, weight = gguf_weight(fmt, 36, 128, seed=11)
         assert torch.equal(_dequantize(other, blocks, torch.bfloat16), weight.bfloat16())
         # Sums in 16 logical lanes whatever the vector width: the same bits on every CPU
         # with FMA (AVX-512 builds included; this machine's may be either).

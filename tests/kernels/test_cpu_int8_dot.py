@@ -8,28 +8,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
 
 from kvrelay.models.gguf_blocks import (
     GgufBlocks,
     QuantizedWeightError,
-    dequantize_q4_1,
-    dequantize_q8_0,
-    q4_1_blocks,
-    q8_0_blocks,
 )
 from kvrelay.models.quantized import int8_panels
 from kvrelay_kernels.cpu_extension import CSRC_CPU
 from kvrelay_kernels.cpu_quantized import load_int8_dot_ops
-
-FORMATS = {
-    "q4_1": (GGMLQuantizationType.Q4_1, q4_1_blocks, dequantize_q4_1),
-    "q8_0": (GGMLQuantizationType.Q8_0, q8_0_blocks, dequantize_q8_0),
-}
+from tests.kernels.gguf_weights import FORMATS, gguf_weight
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +27,6 @@ def ops() -> ModuleType:
     module = load_int8_dot_ops()
     assert module is not None, "the CPU int8 kernel did not build (is a C++ compiler there?)"
     return module
-
-
-def _weight(fmt: str, out: int, inp: int, seed: int) -> tuple[GgufBlocks, torch.Tensor]:
-    """gguf's own quantization of a random `[out, inp]` weight: its blocks and its exact
-    fp32 dequantization."""
-    rng = np.random.default_rng(seed)
-    dense = rng.standard_normal((out, inp)) * 0.05 + rng.standard_normal((out, 1)) * 0.02
-    kind, blocks_of, dequantize = FORMATS[fmt]
-    raw = torch.from_numpy(np.array(quants.quantize(dense.astype(np.float32), kind)))
-    return blocks_of(raw, inp), dequantize(raw, inp)
 
 
 def _matmul(
@@ -118,7 +98,7 @@ def test_the_activation_codes_are_the_scheme_bit_for_bit(ops: ModuleType) -> Non
 def test_matmul_equals_the_scheme(
     ops: ModuleType, fmt: str, in_features: int, out_rows: int, rows: int
 ) -> None:
-    blocks, _ = _weight(fmt, out_rows, in_features, seed=rows * 100 + out_rows + in_features)
+    blocks, _ = gguf_weight(fmt, out_rows, in_features, seed=rows * 100 + out_rows + in_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     out = _matmul(ops, blocks, x)
     assert out.shape == (rows, out_rows) and out.dtype == torch.float32
@@ -129,7 +109,7 @@ def test_matmul_equals_the_scheme(
 def test_the_error_is_the_activations_rounding_alone(ops: ModuleType, fmt: str) -> None:
     """Against the exact weights, each block's error is at most sum|w| * dx / 2 (a code is
     off by at most half a step); and it is not zero (the test would catch an exact path)."""
-    blocks, weight = _weight(fmt, 64, 256, seed=3)  # 64 rows: four panels
+    blocks, weight = gguf_weight(fmt, 64, 256, seed=3)  # 64 rows: four panels
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
     got = _matmul(ops, blocks, x).double()
     exact = F.linear(x.double(), weight.double())
@@ -155,7 +135,7 @@ def test_q8_0_codes_of_minus_128_count_as_such(ops: ModuleType) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bias_and_bf16_round_once(ops: ModuleType, fmt: str) -> None:
-    blocks, _ = _weight(fmt, 64, 128, seed=5)
+    blocks, _ = gguf_weight(fmt, 64, 128, seed=5)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 128, generator=gen).bfloat16()
     bias = torch.randn(64, generator=gen)
@@ -169,7 +149,7 @@ def test_bias_and_bf16_round_once(ops: ModuleType, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_non_finite_input_poisons_its_row_only(ops: ModuleType, fmt: str) -> None:
-    blocks, _ = _weight(fmt, 16, 64, seed=6)
+    blocks, _ = gguf_weight(fmt, 16, 64, seed=6)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
     for bad in (float("nan"), float("inf")):
         poisoned = x.clone()
@@ -189,7 +169,7 @@ def test_panels_hold_each_rows_words_side_by_side() -> None:
     cells = panels.codes.reshape(2, 3, 8, 16, 4)
     assert cells[1, 2, 5, 7].tolist() == [20, 21, 22, 23]
     assert panels.d.dtype == torch.float16 and panels.d.reshape(2, 3, 16)[1, 0, 7] == 23
-    q4, _ = _weight("q4_1", 32, 64, seed=7)
+    q4, _ = gguf_weight("q4_1", 32, 64, seed=7)
     assert q4.m is not None
     q4_panels = int8_panels(q4)
     assert q4_panels.m is not None and q4_panels.codes.shape == (2, 2 * 4 * 16 * 4)
@@ -200,7 +180,7 @@ def test_panels_hold_each_rows_words_side_by_side() -> None:
 
 
 def test_bad_arguments_are_refused(ops: ModuleType) -> None:
-    q8_blocks, _ = _weight("q8_0", 16, 64, seed=1)
+    q8_blocks, _ = gguf_weight("q8_0", 16, 64, seed=1)
     q8 = int8_panels(q8_blocks)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.q8_0_int8_matmul(torch.zeros(2, 64, dtype=torch.float16), q8.codes, q8.d, None)
@@ -212,14 +192,14 @@ def test_bad_arguments_are_refused(ops: ModuleType) -> None:
         ops.q8_0_int8_matmul(torch.zeros(2, 64), q8.codes, q8.d.float(), None)
     with pytest.raises(RuntimeError, match="bias must be float32 or bfloat16"):
         ops.q8_0_int8_matmul(torch.zeros(2, 64), q8.codes, q8.d, torch.zeros(7))
-    q4_blocks, _ = _weight("q4_1", 16, 64, seed=1)
+    q4_blocks, _ = gguf_weight("q4_1", 16, 64, seed=1)
     q4 = int8_panels(q4_blocks)
     assert q4.m is not None
     with pytest.raises(RuntimeError, match="panel scales must be contiguous float16"):
         ops.q4_1_int8_matmul(torch.zeros(2, 64), q4.codes, q4.d, q4.m[:, :1].contiguous(), None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.int8_quantize(torch.zeros(2, 48))
-    few, _ = _weight("q4_1", 8, 64, seed=1)  # panels take whole 16-row groups
+    few, _ = gguf_weight("q4_1", 8, 64, seed=1)  # panels take whole 16-row groups
     with pytest.raises(QuantizedWeightError, match="panels of 16"):
         int8_panels(few)
 
@@ -242,6 +222,6 @@ def test_other_instruction_sets_compute_the_same(ops: ModuleType, isa: str) -> N
     for mine, theirs in zip(ops.int8_quantize(x), other.int8_quantize(x), strict=True):
         assert torch.equal(mine, theirs)
     for fmt in FORMATS:
-        blocks, _ = _weight(fmt, 48, 96, seed=11)
+        blocks, _ = gguf_weight(fmt, 48, 96, seed=11)
         _assert_matches_scheme(_matmul(other, blocks, x), x, blocks)
         torch.testing.assert_close(_matmul(other, blocks, x), _matmul(ops, blocks, x))
