@@ -495,11 +495,16 @@ std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x) {
   return {codes, scales, sums};
 }
 
+// Every kernel runs without the GIL, as torch's own ops do: a worker's other Python threads
+// (Ray's output reporting, the actor's event loop) then run during a step's kernels, not in the
+// gaps between them where the engine thread would wait for the GIL.
+using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("q4_1_int8_matmul", &q4_1_int8_matmul,
+  module.def("q4_1_int8_matmul", &q4_1_int8_matmul, ReleaseGil(),
              "x @ W.T over Q4_1 panels, x quantized to int8 per 32 values (+ bias)");
-  module.def("q8_0_int8_matmul", &q8_0_int8_matmul,
+  module.def("q8_0_int8_matmul", &q8_0_int8_matmul, ReleaseGil(),
              "x @ W.T over Q8_0 panels, x quantized to int8 per 32 values (+ bias)");
-  module.def("int8_quantize", &int8_quantize,
+  module.def("int8_quantize", &int8_quantize, ReleaseGil(),
              "x's int8 codes, fp32 scales and int32 code sums per block of 32");
 }
