@@ -310,14 +310,14 @@ torch::Tensor q8_0_dequantize(const torch::Tensor& codes, const torch::Tensor& d
   return dequantize(q8_0_rows(codes, d), codes.size(0), codes.size(1), dtype);
 }
 
-// Every kernel runs without the GIL, as torch's own ops do: a worker's other Python threads
-// (Ray's output reporting, the actor's event loop) then run during a step's kernels, not in the
-// gaps between them where the engine thread would wait for the GIL.
+// Kernels run without the GIL, as torch's ops do (why: int8_dot_matmul.cpp's module).
 using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q8_0_matmul", &q8_0_matmul, ReleaseGil(), "x @ W.T over GGUF Q8_0 blocks (+ bias)");
   module.def("q4_1_matmul", &q4_1_matmul, ReleaseGil(), "x @ W.T over GGUF Q4_1 blocks (+ bias)");
-  module.def("q4_1_dequantize", &q4_1_dequantize, ReleaseGil(), "GGUF Q4_1 blocks as a dense [out, in] weight");
-  module.def("q8_0_dequantize", &q8_0_dequantize, ReleaseGil(), "GGUF Q8_0 blocks as a dense [out, in] weight");
+  module.def("q4_1_dequantize", &q4_1_dequantize, ReleaseGil(),
+        "GGUF Q4_1 blocks as a dense [out, in] weight");
+  module.def("q8_0_dequantize", &q8_0_dequantize, ReleaseGil(),
+        "GGUF Q8_0 blocks as a dense [out, in] weight");
 }

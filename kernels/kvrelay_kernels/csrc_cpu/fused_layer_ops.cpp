@@ -258,14 +258,14 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// Every kernel runs without the GIL, as torch's own ops do: a worker's other Python threads
-// (Ray's output reporting, the actor's event loop) then run during a step's kernels, not in the
-// gaps between them where the engine thread would wait for the GIL.
+// Kernels run without the GIL, as torch's ops do (why: int8_dot_matmul.cpp's module).
 using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, ReleaseGil(), "RMSNorm of each row (CPU, fp32 or bf16)");
-  m.def("add_rms_norm", &add_rms_norm, ReleaseGil(), "residual += delta, then RMSNorm (CPU, fp32 or bf16)");
+  m.def("add_rms_norm", &add_rms_norm, ReleaseGil(),
+        "residual += delta, then RMSNorm (CPU, fp32 or bf16)");
   m.def("rope", &rope, ReleaseGil(), "rotate-half RoPE of every head (CPU, fp32 or bf16)");
-  m.def("silu_and_mul", &silu_and_mul, ReleaseGil(), "silu(gate) * up of each row (CPU, fp32 or bf16)");
+  m.def("silu_and_mul", &silu_and_mul, ReleaseGil(),
+        "silu(gate) * up of each row (CPU, fp32 or bf16)");
 }

@@ -419,13 +419,12 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   }
 }
 
-// Every kernel runs without the GIL, as torch's own ops do: a worker's other Python threads
-// (Ray's output reporting, the actor's event loop) then run during a step's kernels, not in the
-// gaps between them where the engine thread would wait for the GIL.
+// Kernels run without the GIL, as torch's ops do (why: int8_dot_matmul.cpp's module).
 using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, ReleaseGil(),
         "decode attention over the block-major paged KV cache (CPU, fp32 or bf16)");
-  m.def("write_kv", &write_kv, ReleaseGil(), "new keys and values into their slots of one layer (CPU)");
+  m.def("write_kv", &write_kv, ReleaseGil(),
+        "new keys and values into their slots of one layer (CPU)");
 }
