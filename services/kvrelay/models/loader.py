@@ -21,6 +21,7 @@ from kvrelay.models.quantized_loading import (
     install_quantized_logits,
     read_quantized_weights,
 )
+from kvrelay.models.weight_arena import gather_weights
 from kvrelay_kernels import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def load_model(
     # bit-exactness with transformers) and is free on the CPU.
     model.to(device)
     model.eval().requires_grad_(False)
+    gather_weights(model)  # CPU weights into one huge-page run, in the order a step reads them
     logger.info("loaded %s from %s (%d files)", config.architecture, source, count)
     return model, config
 

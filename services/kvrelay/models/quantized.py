@@ -227,6 +227,12 @@ class Int4PlanesLinear(nn.Module):
         int4 kernel), where the block kernel builds."""
         return True
 
+    def rebind_weights(self) -> None:
+        """Bind the few-row kernel to the buffers again, after they moved
+        (`models.weight_arena`)."""
+        if self._few_rows is not None:
+            self._few_rows = self._bind_few_rows()
+
     def _bind_few_rows(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | None, ...]]:
         """The few-row kernel (the block loop, or the int8 one with `int8_activations`) and
         its weight arguments, bound once: each buffer read through `nn.Module.__getattr__`

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvrelay.config import ModelConfig
+from kvrelay_kernels.host_memory import huge_page_empty
 
 
 def kv_block_shape(model: ModelConfig, block_size: int) -> tuple[int, ...]:
@@ -31,6 +32,11 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """A zeroed KV tensor of `num_blocks` blocks on `device`."""
+    """A zeroed KV tensor of `num_blocks` blocks on `device`; on the CPU on 2 MiB pages where
+    Linux has them (a decode step's attention reads a few KiB of each of its blocks, all
+    over the cache: a TLB miss per block on 4 KiB pages)."""
     shape = (num_blocks, *kv_block_shape(model, block_size))
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = num_blocks * kv_block_bytes(model, block_size, dtype)
+    return huge_page_empty(nbytes).view(dtype).view(shape).zero_()

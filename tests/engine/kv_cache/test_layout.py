@@ -1,0 +1,51 @@
+"""engine.kv_cache.layout: the worker's one block-major KV tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.config import ModelConfig
+from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
+from kvrelay_kernels.host_memory import HUGE_PAGE_BYTES, HUGE_PAGES_ENV
+from tests.kernels.huge_pages import thp_advice_works, vma_flags
+
+# SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64 dims (368,640 bf16 bytes a block).
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=128,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_is_zeroed_block_major_and_contiguous(dtype: torch.dtype) -> None:
+    cache = allocate_kv_cache(CONFIG, num_blocks=12, block_size=16, dtype=dtype)
+    assert cache.shape == (12, 30, 2, 16, 3, 64) and cache.dtype == dtype
+    assert cache.is_contiguous() and not cache.any()
+    assert cache.numel() * cache.element_size() == 12 * kv_block_bytes(CONFIG, 16, dtype)
+    cache[11, 29, 1, 15, 2, 63] = 1.0  # the last element is the cache's own
+    assert float(cache.flatten()[-1]) == 1.0
+
+
+@pytest.mark.skipif(not thp_advice_works(), reason="needs Linux with THP always or madvise")
+def test_a_cpu_cache_lies_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = allocate_kv_cache(CONFIG, num_blocks=16, block_size=16, dtype=torch.bfloat16)
+    assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert "hg" in vma_flags(cache.data_ptr())
+    monkeypatch.setenv(HUGE_PAGES_ENV, "off")
+    # 100 blocks, 37 MB: above glibc's largest mmap threshold, so a fresh mapping.
+    plain = allocate_kv_cache(CONFIG, num_blocks=100, block_size=16, dtype=torch.bfloat16)
+    assert "hg" not in vma_flags(plain.data_ptr())
+
+
+def test_a_cache_on_another_device_is_allocated_there() -> None:
+    cache = allocate_kv_cache(
+        CONFIG, num_blocks=4, block_size=16, dtype=torch.float32, device="meta"
+    )
+    assert cache.is_meta and cache.shape == (4, 30, 2, 16, 3, 64)
