@@ -15,11 +15,13 @@ import threading
 from collections.abc import Callable
 from types import ModuleType
 
+import pytest
 import torch
 
 from kvrelay.models.gguf_blocks import GgufBlocks
 from kvrelay.models.quantized import int8_panels
 from kvrelay_kernels.cpu_backend import load_extension
+from kvrelay_kernels.cpu_dense import load_dense_gemv_ops
 from kvrelay_kernels.cpu_fused import load_fused_ops
 from kvrelay_kernels.cpu_quantized import load_block_quant_ops, load_int8_dot_ops
 
@@ -114,5 +116,17 @@ def test_int8_matmul_releases_the_gil() -> None:
 
     def matmul() -> object:
         return ops.q8_0_int8_matmul(x, panels.codes, panels.d, None)
+
+    assert ran_while_in_kernel(matmul)
+
+
+def test_dense_gemv_releases_the_gil() -> None:
+    ops = _loaded(load_dense_gemv_ops())
+    if not ops.supports("float32"):
+        pytest.skip("this CPU has no AVX-512: the few-row kernel is not built for fp32")
+    weight, x = torch.randn(16384, 2048), torch.randn(4, 2048)
+
+    def matmul() -> object:
+        return ops.dense_gemv(x, weight, None)
 
     assert ran_while_in_kernel(matmul)

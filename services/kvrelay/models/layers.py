@@ -5,12 +5,19 @@ Weights come from a checkpoint: `loader.py` builds the model on the meta device 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.cpu_features import cpu_has_native_bf16
+from kvrelay_kernels.cpu_dense import GEMV_MAX_ROWS, dense_gemv_for
 from kvrelay_kernels.cpu_fused import fused_ops_for
+
+# kvrelay's few-row kernel, the weight and bias it multiplies and the most rows it takes,
+# bound once (reading a parameter through `nn.Module.__getattr__` costs about a microsecond).
+FewRows = tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor | None, int]
 
 # Below this many rows `linear` computes `W @ x.T`; measured crossover with `F.linear`.
 SMALL_BATCH_ROWS = 64
@@ -79,27 +86,62 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def few_rows_of(weight: torch.Tensor, bias: torch.Tensor | None) -> FewRows | None:
+    """kvrelay's few-row dense kernel bound to `weight` and `bias`, where it builds for them
+    (`kvrelay_kernels.cpu_dense`); None elsewhere."""
+    module = dense_gemv_for(weight)
+    if module is None:
+        return None
+    detached_bias = bias.detach() if bias is not None else None
+    return module.dense_gemv, weight.detach(), detached_bias, GEMV_MAX_ROWS[weight.dtype]
+
+
+def run_few_rows(few: FewRows | None, x: torch.Tensor) -> torch.Tensor | None:
+    """`x @ W.T + b` through the bound few-row kernel when it takes `x` (up to
+    `GEMV_MAX_ROWS` rows of the weight's dtype); None when it does not."""
+    if few is None:
+        return None
+    kernel, weight, bias, max_rows = few
+    if x.dim() != 2 or x.shape[0] > max_rows or x.dtype != weight.dtype:
+        return None
+    out: torch.Tensor = kernel(x, weight, bias)
+    return out
+
+
 class Linear(nn.Linear):
     """`nn.Linear` whose forward is `linear` above (same parameters, same state dict).
 
-    After loading, `prepack()` may move the weight into oneDNN's layout for speed.
+    After loading, `prepack()` may move the weight into oneDNN's layout for speed, and binds
+    kvrelay's few-row kernel for decode steps of few rows (`GEMV_MAX_ROWS`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed: PackedLinear | None = None
+        self.few_rows: FewRows | None = None
 
     def prepack(self) -> None:
-        """Add a oneDNN-packed copy of the weight for batches of two rows or more.
+        """Add a oneDNN-packed copy of the weight for batches of many rows, and bind the
+        few-row kernel to the dense weight (where it builds).
 
-        For inference only. The dense weight stays for single-row steps, where `linear` is
-        faster: weights take twice the memory, a fair price on CPU for the fastest path at
-        every batch size.
+        For inference only. The dense weight stays for few-row steps, which stream it at
+        memory speed: weights take twice the memory, a fair price on CPU for the fastest path
+        at every batch size.
         """
         if can_prepack(self.weight):
             self.packed = PackedLinear(self.weight, self.bias)
+        self.few_rows = few_rows_of(self.weight, self.bias)
+
+    def rebind_weights(self) -> None:
+        """Bind the few-row kernel to the parameters again, after they moved
+        (`models.weight_arena`)."""
+        if self.few_rows is not None:
+            self.few_rows = few_rows_of(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = run_few_rows(self.few_rows, x)
+        if out is not None:
+            return out
         packed = self.packed
         if packed is not None and (x.shape[0] > 1 or packed.single_row):
             return packed.forward(x)

@@ -14,7 +14,17 @@ from torch import nn
 
 from kvrelay.config import ModelConfig
 from kvrelay.models.inputs import AttentionInputs
-from kvrelay.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, can_prepack, linear
+from kvrelay.models.layers import (
+    FewRows,
+    GatedMLP,
+    Linear,
+    PackedLinear,
+    RMSNorm,
+    can_prepack,
+    few_rows_of,
+    linear,
+    run_few_rows,
+)
 from kvrelay.models.rope import RotaryEmbedding, apply_rope
 from kvrelay.models.single_row import choose_single_row_paths
 from kvrelay_kernels import AttentionBackend
@@ -145,6 +155,7 @@ class CausalLM(nn.Module):
         self.lm_head: Linear | None = None
         # Set by prepack() for tied embeddings: the vocab projection's packed copy.
         self.packed_logits: PackedLinear | None = None
+        self.few_row_logits: FewRows | None = None  # the tied projection's, see prepack
         # Set by the GGUF loader (fp32 or int8 activations, tied embeddings): the
         # embedding's own blocks, for steps of fewer rows than `quantized_logits_below_rows`.
         self.quantized_logits: nn.Module | None = None
@@ -222,13 +233,24 @@ class CausalLM(nn.Module):
         if dense_logits and can_prepack(self.embed_tokens.weight):
             self.packed_logits = PackedLinear(self.embed_tokens.weight, None)
             packed.append((self.embed_tokens.weight, None, self.packed_logits))
+        if dense_logits:
+            self.few_row_logits = few_rows_of(self.embed_tokens.weight, None)
         choose_single_row_paths(packed)
+
+    def rebind_weights(self) -> None:
+        """Bind the tied vocab projection's few-row kernel again, after the weights moved
+        (`models.weight_arena`)."""
+        if self.few_row_logits is not None:
+            self.few_row_logits = few_rows_of(self.embed_tokens.weight, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
         quantized = self.quantized_logits
         if quantized is not None and hidden.shape[0] < self.quantized_logits_below_rows:
             return cast(torch.Tensor, quantized(hidden.float()))  # fp32 in, fp32 logits
+        few = run_few_rows(self.few_row_logits, hidden)
+        if few is not None:
+            return few.float()
         packed = self.packed_logits
         if packed is not None and (hidden.shape[0] > 1 or packed.single_row):
             return packed.forward(hidden).float()
