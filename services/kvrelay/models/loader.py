@@ -77,8 +77,7 @@ def load_model(
     check_int8_activations(quantization, int8_activations)
     config = ModelConfig.from_pretrained(folder)
     hf_weights, gguf, count = _read_weights(folder, quantization, config, torch.device(device))
-    source = str(gguf or folder)
-    state = convert_hf_state_dict(hf_weights, config, dtype, source=source)
+    state = convert_hf_state_dict(hf_weights, config, dtype, source=str(gguf or folder))
     del hf_weights
     # Built on the meta device: no memory and no random init for weights that the checkpoint
     # replaces right away (`assign=True` adopts the loaded tensors as the parameters).
@@ -94,7 +93,7 @@ def load_model(
     model.to(device)
     model.eval().requires_grad_(False)
     gather_weights(model)  # CPU weights into one huge-page run, in the order a step reads them
-    logger.info("loaded %s from %s (%d files)", config.architecture, source, count)
+    logger.info("loaded %s from %s (%d files)", config.architecture, gguf or folder, count)
     return model, config
 
 
