@@ -28,6 +28,7 @@ from kvrelay import SamplingParams
 from kvrelay.llm import LLM
 from kvrelay.models.layers import Linear, linear
 from kvrelay.models.llama import CausalLM
+from serving.decode_steps import decode_step_ms
 
 PROMPT = "The history of the printing press begins"
 ROWS = (1, 2, 4, 8, 16)
@@ -95,30 +96,17 @@ def unbound(model: CausalLM) -> Iterator[None]:
         model.few_row_logits = saved[1]
 
 
-def decode_step_ms(llm: LLM, prompt: list[int], streams: int, tokens: int, turn: int) -> float:
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    for i in range(streams):
-        engine.add_request(f"t{turn}-{i}", prompt, params)
-    engine.step()  # the prompts' prefills, all in one step (they are short)
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
 def decode_table(llm: LLM, dtype: str, rounds: int, tokens: int) -> list[str]:
     model = llm.engine.runner.model
     prompt = llm.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     lines = []
     for streams in (1, 4):
         times: dict[str, list[float]] = {"kvrelay": [], "without": []}
         for turn in tqdm(range(rounds + 1), desc=f"{dtype} decode x{streams}", unit="round"):
-            with_kernel = decode_step_ms(llm, prompt, streams, tokens, 2 * turn)
+            with_kernel = decode_step_ms(llm.engine, prompt, params, f"a{turn}", streams)
             with unbound(model):
-                without = decode_step_ms(llm, prompt, streams, tokens, 2 * turn + 1)
+                without = decode_step_ms(llm.engine, prompt, params, f"b{turn}", streams)
             if turn:
                 times["kvrelay"].append(with_kernel)
                 times["without"].append(without)

@@ -23,7 +23,6 @@ import contextlib
 import gc
 import os
 import statistics
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from tqdm import tqdm
 from kvrelay import SamplingParams
 from kvrelay.llm import LLM
 from kvrelay_kernels.host_memory import HUGE_PAGES_ENV
+from serving.decode_steps import decode_step_ms
 
 PROMPT = "The history of the printing press begins"
 LAYOUTS = ("as loaded", "gathered 4K", "gathered 2M")
@@ -96,20 +96,6 @@ def engine_args(config: str) -> dict[str, Any]:
     return args
 
 
-def decode_step_ms(llm: LLM, prompt: list[int], tokens: int, turn: int) -> float:
-    """Median wall time of the decode steps of one fresh greedy stream."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    engine.add_request(f"turn-{turn}", prompt, params)
-    engine.step()  # the prefill
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
 def anon_huge_pages_mb() -> float:
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
         if line.startswith("AnonHugePages:"):
@@ -124,10 +110,11 @@ def measure(model: str | None, config: str, tokens: int, rounds: int) -> dict[st
             engines[name] = LLM(model, **engine_args(config))
     prompt = engines[LAYOUTS[0]].get_tokenizer().encode(PROMPT)
     huge_mb = anon_huge_pages_mb()
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     for turn in tqdm(range(rounds + 1), desc=config, unit="round"):
         for name, llm in engines.items():
-            step = decode_step_ms(llm, prompt, tokens, turn)
+            step = decode_step_ms(llm.engine, prompt, params, f"turn-{turn}")
             if turn:  # the first round warms caches and oneDNN's primitives
                 times[name].append(step)
     del engines

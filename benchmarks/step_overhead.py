@@ -35,6 +35,7 @@ import httpx
 from tqdm import tqdm
 
 from kvrelay.models.quantized_loading import QUANTIZATIONS
+from serving.decode_steps import decode_step_ms
 from serving.servers import RunningServer, kvrelay_spec
 
 PROMPT = "The history of the printing press begins"
@@ -74,16 +75,8 @@ class OfflineStream:
 
     def step_ms(self) -> float:
         """Median wall time of one decode step of a fresh stream, engine only."""
-        engine = self.llm.engine
         self._runs += 1
-        engine.add_request(f"offline-{self._runs}", self.prompt, self.params)
-        engine.step()  # the prefill step (and its first token) is not a decode step
-        times = []
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        return 1000 * statistics.median(times)
+        return decode_step_ms(self.llm.engine, self.prompt, self.params, f"offline-{self._runs}")
 
     def close(self) -> None:
         del self.llm
