@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine
 from kvrelay.models.loader import load_model
 from kvrelay_kernels import select_backend
@@ -116,3 +116,17 @@ def assert_pool_whole(engine: Engine) -> None:
     assert engine.kv_cache.pool.is_whole(), "KV blocks leaked"
     assert engine.kv_cache.num_requests() == 0
     assert not engine.has_unfinished_requests()
+
+
+def load_model_config_135m() -> ModelConfig:
+    """SmolLM2-135M's shape (9 query heads of 64 dims, 3 KV heads, 30 layers)."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+    )

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.config import ModelConfig
 from kvrelay.engine.cuda_graphs import DecodeGraphs
 from kvrelay.engine.graph_padding import (
     PAD_SLOT,
@@ -23,23 +22,9 @@ from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.loader import load_model
 from kvrelay_kernels import cuda_backend, select_backend
 from kvrelay_kernels.counters import COUNTERS
-from tests.engine.conftest import EngineFactory, run_to_completion
+from tests.engine.conftest import EngineFactory, load_model_config_135m, run_to_completion
 
 CPU = torch.device("cpu")
-
-
-def load_model_config_135m() -> ModelConfig:
-    """SmolLM2-135M's shape (9 query heads of 64 dims, 3 KV heads, 30 layers)."""
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-    )
 
 
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:

@@ -5,22 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.config import ModelConfig
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
 from kvrelay_kernels.host_memory import HUGE_PAGE_BYTES, HUGE_PAGES_ENV
+from tests.engine.conftest import load_model_config_135m
 from tests.kernels.huge_pages import thp_advice_works, vma_flags
 
-# SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64 dims (368,640 bf16 bytes a block).
-CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=128,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-)
+CONFIG = load_model_config_135m()  # 30 layers, 3 KV heads of 64 dims
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
