@@ -9,6 +9,8 @@ turns keep the three comparable):
   gathered 4K    the weights in one allocation in module order, 4 KiB pages
                  (KVRELAY_HUGE_PAGES=0)
   gathered 2M    the same on 2 MiB pages, and the KV cache too (the default)
+(bf16 and fp32 matmuls on an AVX-512 CPU read the packed copies that `CausalLM.prepack` always
+packs into one allocation: for them the layouts differ only in pages.)
 Per configuration the table gives the median decode step of each and its ratio to "as
 loaded"; the process's AnonHugePages shows whether Linux did map huge pages.
 

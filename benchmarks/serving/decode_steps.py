@@ -1,5 +1,5 @@
 """The offline engine's decode step time, as the CPU benchmarks measure it (step_overhead.py,
-few_row_matmul.py, huge_pages.py): one place, so that they all time the same thing."""
+blocked_matmul.py, huge_pages.py): one place, so that they all time the same thing."""
 
 from __future__ import annotations
 

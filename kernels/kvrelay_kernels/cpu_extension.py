@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 CSRC_CPU = Path(__file__).parent / "csrc_cpu"
 _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
+# A build takes ~30-60 s on 2 cores; a lock older than this was left by a killed one.
+STALE_LOCK_S = 600.0
 
 
 def load_cpu_extension(name: str, source: str, flags: list[str], what: str) -> ModuleType | None:
@@ -56,6 +59,7 @@ def _build(name: str, source: Path, flags: list[str], what: str) -> ModuleType |
     try:
         from torch.utils.cpp_extension import load
 
+        clear_stale_build_lock(name)
         if not _is_built(name):
             logger.warning("compiling kvrelay's %s (first use only, ~30 s)", what)
         module: ModuleType = load(
@@ -65,6 +69,28 @@ def _build(name: str, source: Path, flags: list[str], what: str) -> ModuleType |
     except Exception as exc:  # no compiler or ninja: serve with the torch path instead
         logger.warning("%s unavailable (%s); using the torch path", what, exc)
         return None
+
+
+def clear_stale_build_lock(name: str, older_than_s: float = STALE_LOCK_S) -> bool:
+    """Remove the lock file of `name`'s build folder when it is older than `older_than_s`;
+    returns whether one was removed.
+
+    torch's build takes that lock and waits, without end, while another process holds it. A
+    process killed mid-build (a worker replaced, a test run interrupted) leaves it behind, and
+    every later process would then hang at its first kernel call; no build runs for minutes.
+    """
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except Exception:  # no lock (the usual case), or no build folder yet
+        return False
+    if age < older_than_s:
+        return False
+    logger.warning("removing a stale build lock (%.0f s old) left by a killed build: %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _is_built(name: str) -> bool:

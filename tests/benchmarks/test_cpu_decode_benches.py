@@ -1,4 +1,4 @@
-"""benchmarks/few_row_matmul.py and benchmarks/huge_pages.py, and the decode-step timer they
+"""benchmarks/blocked_matmul.py and benchmarks/huge_pages.py, and the decode-step timer they
 share with step_overhead.py (benchmarks/serving/decode_steps.py), on the embedded model."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from kvrelay import SamplingParams
 from kvrelay.llm import LLM
@@ -34,7 +35,7 @@ def decode_steps() -> ModuleType:
 @pytest.mark.parametrize(
     ("name", "flags"),
     [
-        ("few_row_matmul.py", ("--dtypes", "--rounds", "--tokens", "--skip-decode")),
+        ("blocked_matmul.py", ("--dtypes", "--rounds", "--tokens", "--skip-decode")),
         ("huge_pages.py", ("--configs", "--rounds", "--tokens", "--threads")),
     ],
 )
@@ -83,15 +84,20 @@ def test_huge_pages_builds_each_layout_and_puts_everything_back() -> None:
     assert loader.gather_weights is gather and os.environ.get(HUGE_PAGES_ENV) == before
 
 
-def test_few_row_matmul_unbinds_the_kernel_for_a_while(llm: LLM) -> None:
-    script = load_script(BENCHMARKS / "few_row_matmul.py")
+def test_blocked_matmul_runs_the_model_on_onednn_for_a_while(llm: LLM) -> None:
+    script = load_script(BENCHMARKS / "blocked_matmul.py")
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    bound = [layer.few_rows for layer in layers]
-    if bound[0] is None:
-        pytest.skip("no fp32 few-row kernel in this build (no AVX-512)")
-    assert "kvrelay" in script.layer_paths(layers)
-    with script.unbound(model):
-        assert all(layer.few_rows is None for layer in layers)
-        assert "kvrelay" not in script.layer_paths(layers)
-    assert [layer.few_rows for layer in layers] == bound
+    bound = [(layer.blocked, layer.packed) for layer in layers]
+    if bound[0][0] is None:
+        pytest.skip("no fp32 blocked kernel in this build (no AVX-512)")
+    onednn = script.onednn_copies(model)
+    assert len(onednn) == len(layers) + (model.lm_head is None)
+    assert "kvrelay blocked" in script.layer_paths(layers, onednn)
+    hidden = torch.randn(3, model.embed_tokens.weight.shape[1])
+    ours = model.compute_logits(hidden)
+    with script.on_onednn(model, onednn):
+        assert all(layer.blocked is None and layer.packed is not None for layer in layers)
+        assert "kvrelay blocked" not in script.layer_paths(layers, onednn)
+        torch.testing.assert_close(model.compute_logits(hidden), ours, rtol=1e-4, atol=1e-4)
+    assert [(layer.blocked, layer.packed) for layer in layers] == bound

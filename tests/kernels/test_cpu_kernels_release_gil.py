@@ -21,7 +21,7 @@ import torch
 from kvrelay.models.gguf_blocks import GgufBlocks
 from kvrelay.models.quantized import int8_panels
 from kvrelay_kernels.cpu_backend import load_extension
-from kvrelay_kernels.cpu_dense import load_dense_gemv_ops
+from kvrelay_kernels.cpu_blocked import load_blocked_ops, pack_blocks
 from kvrelay_kernels.cpu_fused import load_fused_ops
 from kvrelay_kernels.cpu_quantized import load_block_quant_ops, load_int8_dot_ops
 
@@ -120,13 +120,14 @@ def test_int8_matmul_releases_the_gil() -> None:
     assert ran_while_in_kernel(matmul)
 
 
-def test_dense_gemv_releases_the_gil() -> None:
-    ops = _loaded(load_dense_gemv_ops())
+def test_blocked_matmul_releases_the_gil() -> None:
+    ops = _loaded(load_blocked_ops())
     if not ops.supports("float32"):
-        pytest.skip("this CPU has no AVX-512: the few-row kernel is not built for fp32")
+        pytest.skip("this CPU has no AVX-512: the blocked kernel is not built for fp32")
     weight, x = torch.randn(16384, 2048), torch.randn(4, 2048)
+    blocks = pack_blocks(weight)
 
     def matmul() -> object:
-        return ops.dense_gemv(x, weight, None)
+        return ops.blocked_matmul(x, blocks, 16384, None)
 
     assert ran_while_in_kernel(matmul)

@@ -1,4 +1,5 @@
-"""bf16 on the CPU: feature detection and the oneDNN-packed bf16 linear path."""
+"""bf16 on the CPU: feature detection, and the packed bf16 linear paths (oneDNN's, and kvrelay's
+blocked kernel where it builds)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.models.cpu_features import cpu_flags, cpu_has_native_bf16, has_native_bf16_flags
-from kvrelay.models.layers import Linear, can_prepack
+from kvrelay.models.layers import Linear, PackedLinear, can_prepack
 
 _ZEN4 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
 _ZEN2 = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\nprocessor\t: 1\nflags\t\t: fpu sse avx2 fma\n"
@@ -58,22 +59,24 @@ def _layer(dtype: torch.dtype, bias: bool) -> Linear:
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bf16_linear_matches_fp32_math_within_bf16_rounding(rows: int, bias: bool) -> None:
     layer = _layer(torch.bfloat16, bias)
-    layer.prepack()
-    assert layer.packed is not None and layer.packed.single_row  # bf16: packed even for 1 row
+    onednn = PackedLinear(layer.weight, layer.bias)
+    assert onednn.single_row  # bf16: packed even for 1 row
+    layer.prepack()  # kvrelay's blocked kernel where it builds, else a oneDNN copy
+    assert (layer.blocked is None) is (layer.packed is not None)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    with torch.inference_mode():
-        out = layer(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 48)
     b = layer.bias.float() if layer.bias is not None else None
     expected = F.linear(x.float(), layer.weight.float(), b)
-    # fp32 accumulation, one bf16 rounding of the output (8-bit mantissa: 2^-8 relative).
-    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2e-2)
+    with torch.inference_mode():
+        for out in (onednn.forward(x), layer(x)):
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, 48)
+            # fp32 accumulation, one bf16 rounding of the output (8-bit mantissa: 2^-8).
+            torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2e-2)
 
 
 def test_fp32_single_row_keeps_the_dense_path() -> None:
     layer = _layer(torch.float32, bias=True)
+    assert not PackedLinear(layer.weight, layer.bias).single_row  # single_row.py measures it
     layer.prepack()
-    assert layer.packed is not None and not layer.packed.single_row
     x = torch.randn(1, 64)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))

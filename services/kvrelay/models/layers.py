@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.cpu_features import cpu_has_native_bf16
-from kvrelay_kernels.cpu_dense import GEMV_MAX_ROWS, dense_gemv_for
+from kvrelay_kernels.cpu_blocked import blocked_ops_for, pack_blocks
 from kvrelay_kernels.cpu_fused import fused_ops_for
 
-# kvrelay's few-row kernel, the weight and bias it multiplies and the most rows it takes,
-# bound once (reading a parameter through `nn.Module.__getattr__` costs about a microsecond).
-FewRows = tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor | None, int]
+# kvrelay's blocked kernel bound to one weight: the kernel, the weight packed in its blocks,
+# the out-features and the fp32 bias, bound once (reading a parameter through
+# `nn.Module.__getattr__` costs about a microsecond).
+Blocked = tuple[Callable[..., torch.Tensor], torch.Tensor, int, torch.Tensor | None]
 
 # Below this many rows `linear` computes `W @ x.T`; measured crossover with `F.linear`.
 SMALL_BATCH_ROWS = 64
@@ -86,60 +87,67 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def few_rows_of(weight: torch.Tensor, bias: torch.Tensor | None) -> FewRows | None:
-    """kvrelay's few-row dense kernel bound to `weight` and `bias`, where it builds for them
-    (`kvrelay_kernels.cpu_dense`); None elsewhere."""
-    module = dense_gemv_for(weight)
+def blocked_of(
+    weight: torch.Tensor, bias: torch.Tensor | None, blocks: torch.Tensor | None = None
+) -> Blocked | None:
+    """kvrelay's blocked kernel (`kvrelay_kernels.cpu_blocked`) bound to `weight` and `bias`
+    where it builds for them; None elsewhere.
+
+    Args:
+        weight: `[out, in]`. bias: `[out]` or None.
+        blocks: `weight` already packed (`pack_blocks`), as `CausalLM.prepack` packs a model's
+            weights into one allocation; packed here when None.
+    """
+    module = blocked_ops_for(weight)
     if module is None:
         return None
-    detached_bias = bias.detach() if bias is not None else None
-    return module.dense_gemv, weight.detach(), detached_bias, GEMV_MAX_ROWS[weight.dtype]
+    packed = pack_blocks(weight) if blocks is None else blocks
+    fp32_bias = None if bias is None else bias.detach().float().contiguous()
+    return module.blocked_matmul, packed, weight.shape[0], fp32_bias
 
 
-def run_few_rows(few: FewRows | None, x: torch.Tensor) -> torch.Tensor | None:
-    """`x @ W.T + b` through the bound few-row kernel when it takes `x` (up to
-    `GEMV_MAX_ROWS` rows of the weight's dtype); None when it does not."""
-    if few is None:
+def run_blocked(blocked: Blocked | None, x: torch.Tensor) -> torch.Tensor | None:
+    """`x @ W.T + b` through the bound blocked kernel when it takes `x` (2-D, of the weight's
+    dtype); None when it does not."""
+    if blocked is None or x.dim() != 2:
         return None
-    kernel, weight, bias, max_rows = few
-    if x.dim() != 2 or x.shape[0] > max_rows or x.dtype != weight.dtype:
+    kernel, blocks, out_features, bias = blocked
+    if x.dtype != blocks.dtype:
         return None
-    out: torch.Tensor = kernel(x, weight, bias)
+    out: torch.Tensor = kernel(x, blocks, out_features, bias)
     return out
 
 
 class Linear(nn.Linear):
     """`nn.Linear` whose forward is `linear` above (same parameters, same state dict).
 
-    After loading, `prepack()` may move the weight into oneDNN's layout for speed, and binds
-    kvrelay's few-row kernel for decode steps of few rows (`GEMV_MAX_ROWS`).
+    After loading, `prepack()` binds kvrelay's blocked kernel to a packed copy of the weight
+    where it builds (AVX-512; bf16 with AVX512-BF16), else adds oneDNN's packed copy.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed: PackedLinear | None = None
-        self.few_rows: FewRows | None = None
+        self.blocked: Blocked | None = None
 
-    def prepack(self) -> None:
-        """Add a oneDNN-packed copy of the weight for batches of many rows, and bind the
-        few-row kernel to the dense weight (where it builds).
+    def prepack(self, blocks: torch.Tensor | None = None) -> None:
+        """Pack a copy of the weight for the fastest CPU path: kvrelay's blocked kernel where
+        it builds for the weight (every row count takes it: a decode step's one row at memory
+        speed, 16 rows at 1.6x oneDNN's speed, a prefill chunk at oneDNN's), oneDNN's packed
+        layout elsewhere (`can_prepack`).
 
-        For inference only. The dense weight stays for few-row steps, which stream it at
-        memory speed: weights take twice the memory, a fair price on CPU for the fastest path
-        at every batch size.
+        For inference only. The dense weight stays (the state dict, other dtypes): weights
+        take twice the memory, a fair price on CPU for the fastest path.
+
+        Args:
+            blocks: the weight already packed (`pack_blocks`); see `blocked_of`.
         """
-        if can_prepack(self.weight):
+        self.blocked = blocked_of(self.weight, self.bias, blocks)
+        if self.blocked is None and can_prepack(self.weight):
             self.packed = PackedLinear(self.weight, self.bias)
-        self.few_rows = few_rows_of(self.weight, self.bias)
-
-    def rebind_weights(self) -> None:
-        """Bind the few-row kernel to the parameters again, after they moved
-        (`models.weight_arena`)."""
-        if self.few_rows is not None:
-            self.few_rows = few_rows_of(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = run_few_rows(self.few_rows, x)
+        out = run_blocked(self.blocked, x)
         if out is not None:
             return out
         packed = self.packed

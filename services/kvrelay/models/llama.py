@@ -15,19 +15,20 @@ from torch import nn
 from kvrelay.config import ModelConfig
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.layers import (
-    FewRows,
+    Blocked,
     GatedMLP,
     Linear,
     PackedLinear,
     RMSNorm,
+    blocked_of,
     can_prepack,
-    few_rows_of,
     linear,
-    run_few_rows,
+    run_blocked,
 )
 from kvrelay.models.rope import RotaryEmbedding, apply_rope
 from kvrelay.models.single_row import choose_single_row_paths
 from kvrelay_kernels import AttentionBackend
+from kvrelay_kernels.cpu_blocked import pack_blocks_together
 
 # Below this many rows the vocab projection reads the GGUF's blocks where the loader gave
 # them (`quantized_logits`): on a 2-core AVX2 EPYC, two threads, fp32, 4.0 / 4.0 / 5.8 /
@@ -153,9 +154,10 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Linear | None = None
-        # Set by prepack() for tied embeddings: the vocab projection's packed copy.
+        # Set by prepack() for tied embeddings: the vocab projection's packed copy, for
+        # kvrelay's blocked kernel or else for oneDNN.
+        self.blocked_logits: Blocked | None = None
         self.packed_logits: PackedLinear | None = None
-        self.few_row_logits: FewRows | None = None  # the tied projection's, see prepack
         # Set by the GGUF loader (fp32 or int8 activations, tied embeddings): the
         # embedding's own blocks, for steps of fewer rows than `quantized_logits_below_rows`.
         self.quantized_logits: nn.Module | None = None
@@ -215,42 +217,40 @@ class CausalLM(nn.Module):
         return self.norm(h)
 
     def prepack(self) -> None:
-        """Move every matmul weight into oneDNN's fast layout (CPU fp32, and bf16 on CPUs with
-        native bf16; a no-op elsewhere).
+        """Pack a copy of every matmul weight for the fastest CPU path (`Linear.prepack`; a
+        no-op elsewhere): kvrelay's blocked kernel where it builds, all of them packed into
+        one huge-page allocation in the order a step reads them; oneDNN's layout else.
 
-        For inference only. Dense weights stay for single-row steps, which take whichever
-        path is faster on this CPU (`single_row.choose_single_row_paths`); with tied
-        embeddings the vocab projection gets its own packed copy.
+        For inference only. Dense weights stay; with tied embeddings the vocab projection
+        gets its own packed copy. Where oneDNN's copies serve, single-row steps take whichever
+        path is faster on this CPU (`single_row.choose_single_row_paths`).
         """
-        packed: list[tuple[torch.Tensor, torch.Tensor | None, PackedLinear]] = []
-        for module in list(self.modules()):  # prepack adds submodules
-            if isinstance(module, Linear):
-                module.prepack()
-                if module.packed is not None:
-                    packed.append((module.weight, module.bias, module.packed))
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
         # Tied, and not every row on the embedding's blocks (int8 activations).
         dense_logits = self.lm_head is None and self.quantized_logits_below_rows != ALL_ROWS
-        if dense_logits and can_prepack(self.embed_tokens.weight):
-            self.packed_logits = PackedLinear(self.embed_tokens.weight, None)
-            packed.append((self.embed_tokens.weight, None, self.packed_logits))
+        logits_weight = [self.embed_tokens.weight] if dense_logits else []
+        all_blocks = pack_blocks_together([m.weight for m in linears] + logits_weight)
+        packed: list[tuple[torch.Tensor, torch.Tensor | None, PackedLinear]] = []
+        for module, module_blocks in zip(linears, all_blocks, strict=False):
+            module.prepack(module_blocks)
+            if module.packed is not None:
+                packed.append((module.weight, module.bias, module.packed))
         if dense_logits:
-            self.few_row_logits = few_rows_of(self.embed_tokens.weight, None)
+            weight = self.embed_tokens.weight
+            self.blocked_logits = blocked_of(weight, None, all_blocks[-1])
+            if self.blocked_logits is None and can_prepack(weight):
+                self.packed_logits = PackedLinear(weight, None)
+                packed.append((weight, None, self.packed_logits))
         choose_single_row_paths(packed)
-
-    def rebind_weights(self) -> None:
-        """Bind the tied vocab projection's few-row kernel again, after the weights moved
-        (`models.weight_arena`)."""
-        if self.few_row_logits is not None:
-            self.few_row_logits = few_rows_of(self.embed_tokens.weight, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
         quantized = self.quantized_logits
         if quantized is not None and hidden.shape[0] < self.quantized_logits_below_rows:
             return cast(torch.Tensor, quantized(hidden.float()))  # fp32 in, fp32 logits
-        few = run_few_rows(self.few_row_logits, hidden)
-        if few is not None:
-            return few.float()
+        blocked = run_blocked(self.blocked_logits, hidden)
+        if blocked is not None:
+            return blocked.float()
         packed = self.packed_logits
         if packed is not None and (hidden.shape[0] > 1 or packed.single_row):
             return packed.forward(hidden).float()
