@@ -28,14 +28,16 @@ def assert_norm_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_rope_is_torchs_bit_for_bit(dtype: torch.dtype, tokens: int) -> None:
+# 16 fp32 lanes at a time: 64 and 128 in whole vectors, 40 and 12 with values left one by one
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 12])
+def test_rope_is_torchs_bit_for_bit(dtype: torch.dtype, tokens: int, head_dim: int) -> None:
     torch.manual_seed(tokens)
-    rotary = RotaryEmbedding(64, 10000.0, None, 512)
+    rotary = RotaryEmbedding(head_dim, 10000.0, None, 512)
     positions = torch.randint(0, 512, (tokens,))
     cos, sin = rotary.cos_sin(positions, dtype)
     # q and k as the attention takes them: a strided view of the fused qkv projection.
-    qkv = (torch.randn(tokens, (9 + 3 + 3) * 64) * 4).to(dtype)
-    qk = qkv[:, : 12 * 64].view(tokens, 12, 64)
+    qkv = (torch.randn(tokens, (9 + 3 + 3) * head_dim) * 4).to(dtype)
+    qk = qkv[:, : 12 * head_dim].view(tokens, 12, head_dim)
     assert tokens == 1 or not qk.is_contiguous()
     got = apply_rope(qk, cos, sin)
     assert torch.equal(got, apply_rope_with_torch_ops(qk, cos, sin))

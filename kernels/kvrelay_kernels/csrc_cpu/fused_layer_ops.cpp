@@ -104,8 +104,60 @@ void add_norm_rows(torch::Tensor& residual, const torch::Tensor& delta,
   });
 }
 
-// HF's rotate-half RoPE per head: o1 = x1 c - x2 s, o2 = x2 c + x1 s, each product rounded
-// as torch's separate ops round it.
+using at::vec::Vectorized;
+
+// 16 values of T as fp32 lanes: loaded, rounded to T (and widened back) as a separate torch op
+// rounds its result, stored.
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  using V = Vectorized<float>;
+  static V load(const float* p) { return V::loadu(p); }
+  static V round(const V& x) { return x; }
+  static void store(float* p, const V& x) { x.store(p); }
+};
+
+template <>
+struct Lanes<c10::BFloat16> {
+  using V = Vectorized<float>;
+  using B = Vectorized<c10::BFloat16>;
+  static V load(const c10::BFloat16* p) {
+    return std::get<0>(at::vec::convert_to_float<c10::BFloat16>(B::loadu(p, V::size())));
+  }
+  static V round(const V& x) {
+    return std::get<0>(
+        at::vec::convert_to_float<c10::BFloat16>(at::vec::convert_from_float<c10::BFloat16>(x, x)));
+  }
+  static void store(c10::BFloat16* p, const V& x) {
+    at::vec::convert_from_float<c10::BFloat16>(x, x).store(p, V::size());
+  }
+};
+
+// One head's rotation: o1 = x1 c - x2 s, o2 = x2 c + x1 s, each product and sum rounded as
+// torch's separate ops round it; 16 lanes at a time, the rest one by one.
+template <typename T>
+void rope_head(const T* x1, const T* x2, const T* c, const T* s, T* o1, T* o2, int64_t half) {
+  using L = Lanes<T>;
+  int64_t i = 0;
+  for (; i + L::V::size() <= half; i += L::V::size()) {
+    const auto a = L::load(x1 + i), b = L::load(x2 + i);
+    const auto cv = L::load(c + i), sv = L::load(s + i);
+    L::store(o1 + i, L::round(a * cv) - L::round(b * sv));
+    L::store(o2 + i, L::round(b * cv) + L::round(a * sv));
+  }
+  for (; i < half; ++i) {
+    const float a = wide(round_to<T>(wide(x1[i]) * wide(c[i])));
+    const float b = wide(round_to<T>(wide(x2[i]) * wide(s[i])));
+    const float p = wide(round_to<T>(wide(x2[i]) * wide(c[i])));
+    const float q = wide(round_to<T>(wide(x1[i]) * wide(s[i])));
+    o1[i] = round_to<T>(a - b);
+    o2[i] = round_to<T>(p + q);
+  }
+}
+
+// HF's rotate-half RoPE of every head of every token.
 template <typename T>
 void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                torch::Tensor& out) {
@@ -117,27 +169,14 @@ void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Te
   T* op = out.data_ptr<T>();
   at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cp + t * half;
-      const T* s = sp + t * half;
       for (int64_t h = 0; h < heads; ++h) {
         const T* x1 = xp + t * ts + h * hs;
-        const T* x2 = x1 + half;
         T* o1 = op + (t * heads + h) * 2 * half;
-        T* o2 = o1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = wide(round_to<T>(wide(x1[i]) * wide(c[i])));
-          const float b = wide(round_to<T>(wide(x2[i]) * wide(s[i])));
-          const float p = wide(round_to<T>(wide(x2[i]) * wide(c[i])));
-          const float q = wide(round_to<T>(wide(x1[i]) * wide(s[i])));
-          o1[i] = round_to<T>(a - b);
-          o2[i] = round_to<T>(p + q);
-        }
+        rope_head(x1, x1 + half, cp + t * half, sp + t * half, o1, o1 + half, half);
       }
     }
   });
 }
-
-using at::vec::Vectorized;
 
 // out = silu(gate) * up for one row, as `h = F.silu(gate); h.mul_(up)` computes it: x / (1 +
 // exp(-x)) in fp32, then (bf16) rounded, widened and multiplied. torch's element-wise loops take
