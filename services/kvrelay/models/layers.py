@@ -133,7 +133,7 @@ class Linear(nn.Linear):
     def prepack(self, blocks: torch.Tensor | None = None) -> None:
         """Pack a copy of the weight for the fastest CPU path: kvrelay's blocked kernel where
         it builds for the weight (every row count takes it: a decode step's one row at memory
-        speed, 16 rows at 1.6x oneDNN's speed, a prefill chunk at oneDNN's), oneDNN's packed
+        speed, 16 rows at 1.4-1.6x oneDNN's speed, a prefill chunk at oneDNN's), oneDNN's packed
         layout elsewhere (`can_prepack`).
 
         For inference only. The dense weight stays (the state dict, other dtypes): weights
