@@ -15,13 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay_kernels.cpu_extension import load_cpu_extension
-from kvrelay_kernels.host_memory import huge_page_empty
+from kvrelay_kernels.host_memory import ALIGN, huge_page_empty, round_up
 
 # Multiply-adds fused; no fast-math (the sums' order is the kernel's, not the compiler's).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 BLOCK = 32  # outputs per block (the kernel's `kBlock`)
-_ALIGN = 64  # each packed weight starts on a cache line
 
 
 def load_blocked_ops() -> ModuleType | None:
@@ -49,7 +48,7 @@ def blocked_ops_for(weight: torch.Tensor) -> ModuleType | None:
 def packed_numel(weight: torch.Tensor) -> int:
     """Elements of `weight`'s packed copy (`pack_blocks`): its outputs padded to blocks."""
     out_features, in_features = weight.shape
-    return -(-out_features // BLOCK) * BLOCK * in_features
+    return round_up(out_features, BLOCK) * in_features
 
 
 def pack_blocks(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,7 +65,7 @@ def pack_blocks(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         The packed weight, 1-D (`out` when given).
     """
     out_features, in_features = weight.shape
-    blocks = -(-out_features // BLOCK)
+    blocks = round_up(out_features, BLOCK) // BLOCK
     padded = weight.detach()
     if out_features % BLOCK:
         padded = F.pad(padded, (0, 0, 0, blocks * BLOCK - out_features))
@@ -92,10 +91,10 @@ def pack_blocks_together(weights: Sequence[torch.Tensor]) -> list[torch.Tensor |
     """
     takes = [blocked_ops_for(weight) is not None for weight in weights]
     sizes = [
-        -(-packed_numel(w) * w.element_size() // _ALIGN) * _ALIGN if take else 0
+        round_up(packed_numel(w) * w.element_size(), ALIGN) if take else 0
         for w, take in zip(weights, takes, strict=True)
     ]
-    memory = huge_page_empty(max(sum(sizes), _ALIGN))
+    memory = huge_page_empty(max(sum(sizes), ALIGN))
     packed: list[torch.Tensor | None] = []
     offset = 0
     for weight, take, size in zip(weights, takes, sizes, strict=True):

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
 HUGE_PAGES_ENV = "KVRELAY_HUGE_PAGES"
-_ALIGN = 64  # each gathered tensor starts on a cache line (and any dtype's boundary)
+ALIGN = 64  # each gathered tensor starts on a cache line (and any dtype's boundary)
 
 
 def huge_pages_wanted() -> bool:
@@ -43,7 +43,7 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     (plain `torch.empty` below 2 MiB or without the advice). Write it before reading it."""
     if nbytes < HUGE_PAGE_BYTES or not huge_pages_wanted():
         return torch.empty(nbytes, dtype=torch.uint8)
-    span = _round_up(nbytes, HUGE_PAGE_BYTES)
+    span = round_up(nbytes, HUGE_PAGE_BYTES)
     raw = torch.empty(span + HUGE_PAGE_BYTES, dtype=torch.uint8)  # room to align the start
     start = (-raw.data_ptr()) % HUGE_PAGE_BYTES
     _advise_huge_pages(raw.data_ptr() + start, span)
@@ -69,9 +69,9 @@ class Arena:
             address = tensor.untyped_storage().data_ptr()
             if address not in self._offsets:
                 self._offsets[address] = total
-                total += _round_up(tensor.untyped_storage().nbytes(), _ALIGN)
+                total += round_up(tensor.untyped_storage().nbytes(), ALIGN)
         self.nbytes = total
-        self.memory = huge_page_empty(max(total, _ALIGN))
+        self.memory = huge_page_empty(max(total, ALIGN))
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`'s copy in the arena (its storage copied at its first placement); it must
@@ -119,7 +119,8 @@ def _same_view_in(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch
     )
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
+    """`value` rounded up to a multiple of `multiple`."""
     return (value + multiple - 1) // multiple * multiple
 
 

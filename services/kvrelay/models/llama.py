@@ -231,7 +231,7 @@ class CausalLM(nn.Module):
         logits_weight = [self.embed_tokens.weight] if dense_logits else []
         all_blocks = pack_blocks_together([m.weight for m in linears] + logits_weight)
         packed: list[tuple[torch.Tensor, torch.Tensor | None, PackedLinear]] = []
-        for module, module_blocks in zip(linears, all_blocks, strict=False):
+        for module, module_blocks in zip(linears, all_blocks[: len(linears)], strict=True):
             module.prepack(module_blocks)
             if module.packed is not None:
                 packed.append((module.weight, module.bias, module.packed))
