@@ -11,7 +11,9 @@ import pytest
 
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, SampleDelta
+from kvrelay.router.channel import connect
 from kvrelay.worker.channel import ChannelEndpoint, OutputChannel, failure_item
+from kvrelay.worker.stream_wire import read_batch
 
 
 def _delta(request_id: str, start: int, token: int, finished: bool = False) -> OutputDelta:
@@ -151,20 +153,32 @@ class _Endpoint(ChannelEndpoint):
 async def test_endpoint_routes_each_routers_requests_to_its_own_channel() -> None:
     worker = _Endpoint()
     params = SamplingParams(max_tokens=4)
-    # Two routers, each with its channel; a start may come before its channel call.
-    await worker.start("router-a", 0, "a0", [1, 2], params)
-    await worker.start("router-b", 0, "b0", [5], params, None, [9, 9])  # a migrated stream
+    router_a, router_b = "a" * 32, "b" * 32
+    # Two routers, each with its channel; a start may come before its channel is opened.
+    await worker.start(router_a, 0, "a0", [1, 2], params)
+    await worker.start(router_b, 0, "b0", [5], params, None, [9, 9])  # a migrated stream
     seen: dict[str, list[ChannelItem]] = {}
 
     async def listen(channel_id: str, want: int) -> None:
         items = seen.setdefault(channel_id, [])
-        async for batch in worker.channel(channel_id):
+        reader, writer = await connect(await worker.open_channel(channel_id))
+        while len(items) < want and (batch := await read_batch(reader)) is not None:
             items.extend(batch)
-            if len(items) >= want:
-                return
+        writer.close()
 
-    await asyncio.wait_for(asyncio.gather(listen("router-a", 4), listen("router-b", 2)), 5)
-    assert {i.delta.request_id for i in seen["router-a"] if i.delta} == {"a0"}
-    assert [i.delta.samples[0].start for i in seen["router-b"] if i.delta] == [2, 3]
+    await asyncio.wait_for(asyncio.gather(listen(router_a, 4), listen(router_b, 2)), 5)
+    assert {i.delta.request_id for i in seen[router_a] if i.delta} == {"a0"}
+    assert [i.delta.samples[0].start for i in seen[router_b] if i.delta] == [2, 3]
     assert worker.started == ["a0", "b0"]
+    for _ in range(100):  # the hang-ups land on the worker's side
+        if not worker._channels:
+            break
+        await asyncio.sleep(0.01)
     assert not worker._channels  # a channel whose listener left is gone
+    worker.close_streams()
+
+
+@pytest.mark.parametrize("channel_id", ["", "x" * 32, "A" * 32, "a" * 31, "é" * 32])
+async def test_a_channel_id_that_is_no_uuid_hex_is_refused(channel_id: str) -> None:
+    with pytest.raises(ValueError, match="hex digits"):
+        await _Endpoint().open_channel(channel_id)

@@ -1,40 +1,40 @@
 """The router's end of the workers' output channels (worker/channel.py).
 
-One long-lived Ray streaming call per worker carries, per batch, the deltas of every request
-this router runs there; a pump demultiplexes them by tag into per-stream inboxes. A request is
-started with a plain `start` call. When the channel breaks (the worker died), every stream on
-it gets the error, so each one migrates or retries as it would have when its own stream broke;
-the next request opens a fresh channel.
+One long-lived connection per worker (worker/stream_server.py) carries, per batch, the deltas
+of every request this router runs there; a reader task on the router's event loop
+demultiplexes them by tag into per-stream inboxes. A request is started with a plain `start`
+call over Ray. When the channel breaks (the worker died, or hung up), every stream on it gets
+the error, so each one migrates or retries as it would have when its own stream broke; the
+next request opens a fresh channel.
 
-The pump is a thread per channel that blocks in `ray.wait` and `ray.get`, and hands each batch
-to the event loop in one callback. Awaiting the stream's objects on the loop instead cost the
-router ~2x the CPU per batch (each `await` of a Ray object is a callback registered on Ray's IO
-thread and a wake-up crossing back, twice per object in Ray's async generator): at one stream
-that was ~0.7 ms of a ~25 ms decode step on two shared cores, taken from the engine.
+The bytes do not travel as Ray objects: at one stream a streamed Ray object per step cost the
+router ~0.8 ms of CPU (a pump thread in `ray.wait`/`ray.get` and Ray's IO and gRPC threads),
+and the worker ~0.25 ms, of a ~13 ms decode step on two shared cores, taken from the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import threading
-import time
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from kvrelay.messages import ChannelItem
+from kvrelay.worker.stream_wire import (
+    HANDSHAKE_TIMEOUT_S,
+    PROOF_BYTES,
+    ChannelAddress,
+    StreamAuthError,
+    client_tls,
+    hello,
+    proves,
+    read_batch,
+)
 
 logger = logging.getLogger(__name__)
 
 Inbox = asyncio.Queue[ChannelItem | BaseException]
-T = TypeVar("T")
-
-# How often a pump looks up from an idle wait to see whether it was stopped (stopping also
-# cancels the stream, which ends the wait at once; this bounds a missed wake-up).
-PUMP_WAKE_S = 0.5
 
 
 class ChannelClosedError(Exception):
@@ -42,7 +42,7 @@ class ChannelClosedError(Exception):
 
 
 class WorkerChannel:
-    """This router's channel to one worker; made by `Channels.of`."""
+    """This router's channel to one worker; made by `Channels.of` on the router's loop."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
@@ -50,12 +50,7 @@ class WorkerChannel:
         self._tags = itertools.count()
         self._inboxes: dict[int, Inbox] = {}
         self.broken: BaseException | None = None
-        self._stream = handle.channel.options(num_returns="streaming").remote(self.channel_id)
-        self._loop = asyncio.get_running_loop()
-        self._stopping = threading.Event()
-        name = f"kvrelay-channel-{self.channel_id[:8]}"
-        self._pump = threading.Thread(target=self._run, name=name, daemon=True)
-        self._pump.start()
+        self._reader = asyncio.get_running_loop().create_task(self._run())
 
     def open(self) -> tuple[int, Inbox]:
         """A new stream's tag and the inbox its items (or the channel's error) arrive in."""
@@ -72,45 +67,35 @@ class WorkerChannel:
         self._inboxes.pop(tag, None)
 
     def stop(self) -> None:
-        """End the channel: its streams get ChannelClosedError, the worker aborts them."""
-        self._stopping.set()
+        """End the channel: its streams get ChannelClosedError; the worker sees the hang-up
+        and aborts them."""
         self._break(ChannelClosedError("the router closed this output channel"))
-        with contextlib.suppress(Exception):
-            import ray
-
-            ray.cancel(self._stream)
-
-    def join(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for the pump thread to end (after `stop`)."""
-        self._pump.join(timeout_s)
+        self._reader.cancel()
 
     @property
     def streams(self) -> int:
         return len(self._inboxes)
 
-    def _run(self) -> None:
-        """The pump thread: every batch, in order, to `_deliver` on the loop."""
-        import ray
-
-        error: BaseException = ChannelClosedError("the router closed this output channel")
+    async def _run(self) -> None:
+        """Connect, then deliver every batch, in order, until the stream ends."""
+        error: BaseException = ChannelClosedError("the worker closed its output channel")
+        writer: asyncio.StreamWriter | None = None
         try:
-            while not self._stopping.is_set():
-                ready, _ = ray.wait([self._stream], timeout=PUMP_WAKE_S)
-                if not ready:
-                    continue
-                ref = next(self._stream, None)
-                if ref is None:
-                    error = ChannelClosedError("the worker closed its output channel")
-                    break
-                self._to_loop(self._deliver, ray.get(ref))
-        except Exception as exc:  # the worker died, or the stream was cancelled by stop()
-            if not self._stopping.is_set():
-                error = exc
-        self._to_loop(self._break, error)
-
-    def _to_loop(self, callback: Callable[[T], None], arg: T) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens now
-            self._loop.call_soon_threadsafe(callback, arg)
+            address: ChannelAddress = await self.handle.open_channel.remote(self.channel_id)
+            reader, writer = await connect(address)
+            while (batch := await read_batch(reader)) is not None:
+                self._deliver(batch)
+        except asyncio.CancelledError:
+            pass  # stop(): the channel is broken already
+        except (OSError, EOFError, TimeoutError) as exc:  # StreamAuthError is an OSError
+            logger.warning("output stream of channel %s failed: %r", self.channel_id[:8], exc)
+            error = ChannelClosedError(f"the worker's output stream failed: {exc}")
+        except Exception as exc:  # the worker died (a Ray error the relay knows)
+            error = exc
+        finally:
+            if writer is not None:
+                writer.close()
+        self._break(error)
 
     def _deliver(self, batch: list[ChannelItem]) -> None:
         for item in batch:
@@ -127,6 +112,28 @@ class WorkerChannel:
         self._inboxes.clear()
 
 
+async def connect(address: ChannelAddress) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to a worker that has proved it holds `address`'s key.
+
+    Raises:
+        StreamAuthError: the far end did not prove it (not that worker).
+        OSError, TimeoutError: it could not be reached in time.
+    """
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(address.host, address.port, ssl=client_tls()),
+        HANDSHAKE_TIMEOUT_S,
+    )
+    try:
+        writer.write(hello(address))
+        proof = await asyncio.wait_for(reader.readexactly(PROOF_BYTES), HANDSHAKE_TIMEOUT_S)
+        if not proves(address.key, proof, worker=True):
+            raise StreamAuthError(f"{address.host}:{address.port} is not the worker it claims")
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
+
+
 class Channels:
     """One channel per worker (by engine id: a restarted actor is a new engine, and gets a
     new channel), opened at its first request."""
@@ -141,12 +148,8 @@ class Channels:
         return channel
 
     def close(self) -> None:
-        """Stop every channel, and wait (briefly) for the pumps to leave Ray, so that a Ray
-        shutdown right after never meets one inside `ray.get`."""
+        """Stop every channel (the workers abort their streams)."""
         channels = list(self._by_worker.values())
         self._by_worker.clear()
         for channel in channels:
             channel.stop()
-        deadline = time.monotonic() + 2 * PUMP_WAKE_S
-        for channel in channels:
-            channel.join(max(0.0, deadline - time.monotonic()))

@@ -66,8 +66,8 @@ class Placement:
 
 class EngineWorker(ChannelEndpoint):
     """A prefill, decode or colocated ("both") worker. The router streams its requests'
-    outputs through `start` + `channel` (worker/channel.py: one stream per router, batched);
-    `generate` is the per-request stream they are made of."""
+    outputs through `open_channel` + `start` (worker/channel.py: one stream per router,
+    batched); `generate` is the per-request stream they are made of."""
 
     def __init__(
         self,
@@ -205,6 +205,7 @@ class EngineWorker(ChannelEndpoint):
         return self.loop.is_alive()
 
     def shutdown(self) -> None:
+        self.close_streams()
         self.loop.shutdown()
         if self.connector is not None:
             self.connector.close()

@@ -1,28 +1,33 @@
 """A worker's output channels: one long-lived stream per router instead of one per request.
 
-A router opens `channel(channel_id)` once per worker (a Ray streaming call) and starts
-requests with plain `start(channel_id, tag, ...)` calls. Each time the worker's event loop runs
-it sends, as ONE Ray object, every delta that arrived since the last batch, for all the
-router's requests here: per step one object per router, not one per request (each object is a
-report to the caller, a store entry and a wake-up in both processes).
+A router opens a channel once per worker (`open_channel(channel_id)`, a Ray call that answers
+where to connect: worker/stream_server.py) and starts requests with plain
+`start(channel_id, tag, ...)` calls. Each time the worker's event loop runs it sends, as ONE
+frame on that connection, every delta that arrived since the last batch, for all the router's
+requests here: per step one frame per router, not one message per request.
 
-Closing the channel (the router went away or cancelled it) aborts every request started on it,
-as leaving a per-request stream did.
+Closing the channel (the router hung up, or never connected) aborts every request started on
+it, as leaving a per-request stream did.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError
+from kvrelay.transfer.network import KVNetwork
+from kvrelay.worker.stream_server import KEY_TTL_S, StreamServer
+from kvrelay.worker.stream_wire import CHANNEL_ID_BYTES, ChannelAddress, server_tls
 
 if TYPE_CHECKING:
     from kvrelay.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 def failure_item(tag: int, exc: BaseException) -> ChannelItem:
@@ -43,6 +48,7 @@ class OutputChannel:
         self._wake = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self.closed = False
+        self.claimed = False  # a listener has taken its batches
 
     def start(self, tag: int, deltas: AsyncIterator[OutputDelta]) -> None:
         """Forward one request's deltas (its stream, as `generate` yields them) under `tag`."""
@@ -55,6 +61,7 @@ class OutputChannel:
     async def batches(self) -> AsyncIterator[list[ChannelItem]]:
         """Every item since the last batch, as soon as there is one; closes the channel
         when the caller stops listening."""
+        self.claimed = True
         try:
             while True:
                 await self._wake.wait()
@@ -88,10 +95,13 @@ class OutputChannel:
 
 
 class ChannelEndpoint:
-    """The `start` / `channel` pair of a worker actor, over its per-request `generate`; a
-    mixin for EngineWorker (and the router tests' fake worker)."""
+    """The `open_channel` / `start` pair of a worker actor, over its per-request `generate`;
+    a mixin for EngineWorker (and the router tests' fake worker). Its methods run on the
+    actor's event loop."""
 
     _channels: dict[str, OutputChannel]
+    _streams: StreamServer | None
+    _loop: asyncio.AbstractEventLoop
 
     def generate(
         self,
@@ -103,13 +113,67 @@ class ChannelEndpoint:
     ) -> AsyncIterator[OutputDelta]:
         raise NotImplementedError
 
+    async def open_channel(self, channel_id: str) -> ChannelAddress:
+        """Where the router that named `channel_id` (a uuid4's hex) connects for the batches
+        of the requests it starts with that id, and the single-use key it proves itself with
+        (worker/stream_wire.py). Connecting ends when either side hangs up, and that ends
+        the channel: its requests still running are aborted."""
+        if len(channel_id) != CHANNEL_ID_BYTES or set(channel_id) - _HEX_DIGITS:
+            raise ValueError(f"a channel id is {CHANNEL_ID_BYTES} hex digits")
+        self._channel(channel_id)
+        if getattr(self, "_streams", None) is None:
+            network = KVNetwork.from_env()
+            self._streams = StreamServer(
+                self._channel, self._forget_channel, network.host, network.peer_host, server_tls()
+            )
+        assert self._streams is not None
+        return await self._streams.open(channel_id)
+
+    def close_streams(self) -> None:
+        """Stop listening for routers; every channel closes (its requests are aborted). Any
+        thread may call it: the closing runs on the loop the channels live on."""
+        loop: asyncio.AbstractEventLoop | None = getattr(self, "_loop", None)
+        if loop is None:
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self._close_streams_now()
+        else:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nothing is open
+                loop.call_soon_threadsafe(self._close_streams_now)
+
+    def _close_streams_now(self) -> None:
+        streams = getattr(self, "_streams", None)
+        if streams is not None:
+            streams.close()
+        for channel in self._channels.values():
+            channel.close()
+
     def _channel(self, channel_id: str) -> OutputChannel:
         if not hasattr(self, "_channels"):
             self._channels = {}
+            self._loop = asyncio.get_running_loop()
         channel = self._channels.get(channel_id)
         if channel is None or channel.closed:
             channel = self._channels[channel_id] = OutputChannel()
+            # A channel nobody connects to (its router died before it could) would run its
+            # requests to the end for no one: close it.
+            loop = asyncio.get_running_loop()
+            loop.call_later(KEY_TTL_S, self._close_unclaimed, channel_id, channel)
         return channel
+
+    def _close_unclaimed(self, channel_id: str, channel: OutputChannel) -> None:
+        if not channel.claimed:
+            logger.warning("output channel %s was never connected: closing it", channel_id)
+            channel.close()
+            self._forget_channel(channel_id, channel)
+
+    def _forget_channel(self, channel_id: str, channel: OutputChannel) -> None:
+        if self._channels.get(channel_id) is channel:
+            del self._channels[channel_id]
 
     async def start(
         self,
@@ -127,15 +191,3 @@ class ChannelEndpoint:
             request_id, prompt_token_ids, params, kv_handle, resume_output_token_ids
         )
         self._channel(channel_id).start(tag, stream)
-
-    async def channel(self, channel_id: str) -> AsyncIterator[list[ChannelItem]]:
-        """The long-lived stream of `channel_id`'s batches; call it with
-        `num_returns="streaming"` through Ray, once per router. Ending it aborts the
-        requests started on it."""
-        channel = self._channel(channel_id)
-        try:
-            async for batch in channel.batches():
-                yield batch
-        finally:
-            if self._channels.get(channel_id) is channel:
-                del self._channels[channel_id]
