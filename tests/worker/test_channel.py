@@ -5,15 +5,16 @@ words, and a closed channel aborting what still runs."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import pytest
 
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, SampleDelta
+from kvrelay.messages import ChannelItem, OutputDelta, RequestFailedError, SampleDelta
 from kvrelay.router.channel import connect
-from kvrelay.worker.channel import ChannelEndpoint, OutputChannel, failure_item
+from kvrelay.worker.channel import OutputChannel, failure_item
 from kvrelay.worker.stream_wire import read_batch
+from tests.worker.scripted_endpoint import ScriptedEndpoint
 
 
 def _delta(request_id: str, start: int, token: int, finished: bool = False) -> OutputDelta:
@@ -129,29 +130,8 @@ async def test_a_tag_is_used_once_at_a_time() -> None:
     channel.close()
 
 
-class _Endpoint(ChannelEndpoint):
-    """ChannelEndpoint over a scripted generate, as a worker actor is."""
-
-    def __init__(self) -> None:
-        self.started: list[str] = []
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[OutputDelta]:
-        self.started.append(request_id)
-        start = len(resume_output_token_ids)
-        for i in range(start, params.max_tokens or 0):
-            await asyncio.sleep(0)
-            yield _delta(request_id, i, sum(prompt_token_ids) + i, i + 1 == params.max_tokens)
-
-
 async def test_endpoint_routes_each_routers_requests_to_its_own_channel() -> None:
-    worker = _Endpoint()
+    worker = ScriptedEndpoint()
     params = SamplingParams(max_tokens=4)
     router_a, router_b = "a" * 32, "b" * 32
     # Two routers, each with its channel; a start may come before its channel is opened.
@@ -181,4 +161,4 @@ async def test_endpoint_routes_each_routers_requests_to_its_own_channel() -> Non
 @pytest.mark.parametrize("channel_id", ["", "x" * 32, "A" * 32, "a" * 31, "é" * 32])
 async def test_a_channel_id_that_is_no_uuid_hex_is_refused(channel_id: str) -> None:
     with pytest.raises(ValueError, match="hex digits"):
-        await _Endpoint().open_channel(channel_id)
+        await ScriptedEndpoint().open_channel(channel_id)

@@ -9,17 +9,16 @@ from __future__ import annotations
 import asyncio
 import random
 import ssl
-from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, OutputDelta, SampleDelta
+from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, SampleDelta
 from kvrelay.router.channel import connect
 from kvrelay.worker import channel as worker_channel
 from kvrelay.worker import stream_server
-from kvrelay.worker.channel import ChannelEndpoint
 from kvrelay.worker.stream_wire import (
     HELLO_BYTES,
     MAX_FRAME_BYTES,
@@ -33,38 +32,14 @@ from kvrelay.worker.stream_wire import (
     worker_proof,
 )
 from tests.pki import have_openssl, make_ca, make_leaf
+from tests.worker.scripted_endpoint import ScriptedEndpoint
 
 CHANNEL = "c" * 32
 OTHER = "d" * 32
 WAIT_S = 10.0
 
 
-class _Worker(ChannelEndpoint):
-    """A worker whose requests yield one token per turn of the loop until aborted."""
-
-    def __init__(self) -> None:
-        self.running: set[str] = set()
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[OutputDelta]:
-        self.running.add(request_id)
-        try:
-            for i in range(params.max_tokens or 0):
-                await asyncio.sleep(0.001)
-                last = i + 1 == params.max_tokens
-                sample = SampleDelta(0, i, [i], finish_reason="length" if last else None)
-                yield OutputDelta(request_id, [sample], last, 2)
-        finally:
-            self.running.discard(request_id)  # an abort lands here
-
-
-async def _start(worker: _Worker, request_id: str, tokens: int = 10_000) -> None:
+async def _start(worker: ScriptedEndpoint, request_id: str, tokens: int = 10_000) -> None:
     await worker.start(CHANNEL, 0, request_id, [1, 2], SamplingParams(max_tokens=tokens))
 
 
@@ -86,7 +61,7 @@ async def _settle(condition: object, *, tries: int = 200) -> None:
 
 
 async def test_a_proven_router_gets_its_batches_and_hanging_up_aborts_the_requests() -> None:
-    worker = _Worker()
+    worker = ScriptedEndpoint(step_s=0.001)
     address = await worker.open_channel(CHANNEL)
     await _start(worker, "r")
     reader, writer = await connect(address)
@@ -112,7 +87,7 @@ async def test_a_router_that_proves_nothing_is_told_nothing(
     tamper: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(stream_server, "HANDSHAKE_TIMEOUT_S", 0.3)
-    worker = _Worker()
+    worker = ScriptedEndpoint(step_s=0.001)
     address = await worker.open_channel(CHANNEL)
     await _start(worker, "secret")
     assert callable(tamper)
@@ -125,7 +100,7 @@ async def test_a_router_that_proves_nothing_is_told_nothing(
 
 
 async def test_a_key_serves_one_connection() -> None:
-    worker = _Worker()
+    worker = ScriptedEndpoint(step_s=0.001)
     address = await worker.open_channel(CHANNEL)
     await _start(worker, "r")
     reader, writer = await connect(address)
@@ -139,7 +114,7 @@ async def test_random_bytes_get_no_answer_and_break_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(stream_server, "HANDSHAKE_TIMEOUT_S", 0.2)
-    worker = _Worker()
+    worker = ScriptedEndpoint(step_s=0.001)
     address = await worker.open_channel(CHANNEL)
     rng = random.Random(15)
     sizes = [0, 1, HELLO_BYTES - 1, HELLO_BYTES, HELLO_BYTES + 1, 4096, 100_000]
@@ -159,7 +134,7 @@ async def test_a_channel_nobody_connects_to_aborts_its_requests(
 ) -> None:
     monkeypatch.setattr(stream_server, "KEY_TTL_S", 0.2)
     monkeypatch.setattr(worker_channel, "KEY_TTL_S", 0.2)
-    worker = _Worker()
+    worker = ScriptedEndpoint(step_s=0.001)
     address = await worker.open_channel(CHANNEL)
     await _start(worker, "orphan")
     await _settle(lambda: "orphan" in worker.running)
@@ -183,7 +158,7 @@ async def test_a_router_trusts_only_a_worker_that_proves_the_key() -> None:
 
 
 async def test_closing_the_worker_ends_every_stream() -> None:
-    worker = _Worker()
+    worker = ScriptedEndpoint(step_s=0.001)
     address = await worker.open_channel(CHANNEL)
     await _start(worker, "r")
     reader, writer = await connect(address)
@@ -219,6 +194,52 @@ async def test_frames_over_the_limit_or_cut_short_are_errors() -> None:
         await read_batch(reader_of((MAX_FRAME_BYTES + 1).to_bytes(4, "big")))
 
 
+def _framed(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
+async def test_every_field_of_a_batch_crosses_exactly() -> None:
+    handle = KVHandle("e1", 3, "r", (4, 5), 40, (b"\x00h1", b"h2"), 7, ((7, -0.5),), "lease")
+    items = [
+        ChannelItem(
+            0,
+            OutputDelta(
+                "r",
+                [SampleDelta(0, 5, [11, 12], [{11: -0.1, 9: -2.0}] * 2, "stop", 42)],
+                True,
+                9,
+                2,
+                handle,
+                {"arrival_time": 1.5},
+            ),
+        ),
+        ChannelItem(1, OutputDelta("s", [SampleDelta(1, 0, [], None, "length", "</s>")], True, 3)),
+        ChannelItem(2, None, "failed", "out of blocks"),
+    ]
+    reader = asyncio.StreamReader()
+    reader.feed_data(frame(items))
+    reader.feed_eof()
+    assert await read_batch(reader) == items
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x80\x04\x95",  # a pickle's opening bytes: not msgpack
+        msgspec.msgpack.encode([{"tag": "zero"}]),  # msgpack, a wrong type
+        msgspec.msgpack.encode({"tag": 0}),  # msgpack, not a list
+        msgspec.msgpack.encode([{"delta": None}]),  # a field missing
+    ],
+    ids=["pickle", "wrong-type", "not-a-list", "missing-field"],
+)
+async def test_a_frame_that_is_no_batch_is_an_error(payload: bytes) -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(_framed(payload))
+    reader.feed_eof()
+    with pytest.raises(ConnectionError, match="no batch"):
+        await read_batch(reader)
+
+
 @pytest.fixture(scope="module")
 def ray_tls_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Ray's TLS settings over a throwaway CA and one node certificate for 127.0.0.1."""
@@ -241,7 +262,7 @@ async def test_with_rays_tls_on_the_stream_is_tls(
     for name, value in ray_tls_env.items():
         monkeypatch.setenv(name, value)
     assert server_tls() is not None and client_tls() is not None
-    worker = _Worker()
+    worker = ScriptedEndpoint(step_s=0.001)
     address = await worker.open_channel(CHANNEL)
     await _start(worker, "private")
     # In plaintext the hello is no TLS handshake: the worker answers nothing readable.

@@ -11,9 +11,10 @@ Who may connect: the router asks the worker over Ray (the authenticated control 
 a channel, and gets its address and a fresh single-use key. Both ends prove they hold the key
 without sending it (an HMAC over a fixed label per side), the router first; a connection that
 fails to prove it in time is closed having been told nothing. Only a proven worker's frames are
-ever decoded (pickle: both ends are the platform's own processes). With Ray's TLS on
-($RAY_USE_TLS and its certificate files), the stream runs TLS with the same certificates, so
-it is exactly as private on the wire as Ray's own traffic.
+ever decoded, and they are msgpack decoded into the message types alone (msgspec, typed:
+never pickle, which runs what it is sent). With Ray's TLS on ($RAY_USE_TLS and its certificate
+files), the stream runs TLS with the same certificates, so it is exactly as private on the
+wire as Ray's own traffic.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import asyncio
 import hashlib
 import hmac
 import os
-import pickle
 import secrets
 import ssl
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvrelay.messages import ChannelItem
 
@@ -41,6 +43,9 @@ MAX_FRAME_BYTES = 256 << 20  # far above any batch (16 streams of deltas are a f
 _HEADER = struct.Struct("!I")
 _ROUTER_LABEL = b"kvrelay/output-stream/v1 router"
 _WORKER_LABEL = b"kvrelay/output-stream/v1 worker"
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(list[ChannelItem])
 
 RAY_USE_TLS_ENV = "RAY_USE_TLS"
 RAY_TLS_CERT_ENV = "RAY_TLS_SERVER_CERT"
@@ -95,8 +100,8 @@ def proves(key: bytes, proof: bytes, *, worker: bool) -> bool:
 
 
 def frame(items: Sequence[ChannelItem]) -> bytes:
-    """One batch as one frame: its length, then the pickled items."""
-    payload = pickle.dumps(list(items), protocol=pickle.HIGHEST_PROTOCOL)
+    """One batch as one frame: its length, then the items as msgpack."""
+    payload = _ENCODER.encode(list(items))
     return _HEADER.pack(len(payload)) + payload
 
 
@@ -104,7 +109,8 @@ async def read_batch(reader: asyncio.StreamReader) -> list[ChannelItem] | None:
     """The next batch from a proven worker; None at a clean end of the stream.
 
     Raises:
-        ConnectionError: the stream broke mid-frame, or a frame is over MAX_FRAME_BYTES.
+        ConnectionError: the stream broke mid-frame, a frame is over MAX_FRAME_BYTES, or it
+            holds anything but a list of ChannelItems.
     """
     try:
         header = await reader.readexactly(_HEADER.size)
@@ -119,7 +125,10 @@ async def read_batch(reader: asyncio.StreamReader) -> list[ChannelItem] | None:
         payload = await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
         raise ConnectionError("the output stream broke mid-frame") from exc
-    items: list[ChannelItem] = pickle.loads(payload)
+    try:
+        items: list[ChannelItem] = _DECODER.decode(payload)
+    except msgspec.DecodeError as exc:  # ValidationError too: wrong shapes or types
+        raise ConnectionError(f"an output frame is no batch of channel items: {exc}") from exc
     return items
 
 

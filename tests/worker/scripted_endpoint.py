@@ -1,0 +1,42 @@
+"""A worker's channel endpoint (worker/channel.py) over a scripted `generate`, in-process: the
+output-channel and output-stream tests' worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.messages import KVHandle, OutputDelta, SampleDelta
+from kvrelay.worker.channel import ChannelEndpoint
+
+
+class ScriptedEndpoint(ChannelEndpoint):
+    """Request r yields, one delta per `step_s` (a turn of the loop at 0), token
+    sum(prompt) + i at output position i, from its resumed position up to max_tokens. It
+    records the requests started, in order, and those still running (an abort ends one)."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.started: list[str] = []
+        self.running: set[str] = set()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
+        resume_output_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[OutputDelta]:
+        self.started.append(request_id)
+        self.running.add(request_id)
+        try:
+            for i in range(len(resume_output_token_ids), params.max_tokens or 0):
+                await asyncio.sleep(self.step_s)
+                last = i + 1 == params.max_tokens
+                token = sum(prompt_token_ids) + i
+                sample = SampleDelta(0, i, [token], finish_reason="length" if last else None)
+                yield OutputDelta(request_id, [sample], last, len(prompt_token_ids))
+        finally:
+            self.running.discard(request_id)
