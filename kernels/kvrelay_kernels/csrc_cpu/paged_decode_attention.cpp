@@ -192,20 +192,23 @@ void accumulate_values(const Shape& s, const float* probs, const T* values, int6
   }
 }
 
-// A cache line asked for ahead of its use. Spelled out in assembly on x86: GCC's vectorizer
-// deletes __builtin_prefetch from the loops it vectorizes, and a loop of nothing but prefetches
-// is one (this kernel's prefetch loop compiled to an empty loop: a decode step's attention ran
-// at a third of the memory bandwidth, waiting on every block).
+// A cache line asked for ahead of its use, into L2 (prefetcht2: it is read a block later; as
+// prefetcht0 into L1, two blocks ahead, each of the core's few L1 miss slots waited on memory
+// and the step's attention read at 11 GB/s instead of 20 on a 2-core EPYC, fp32, 16
+// sequences of 192 tokens). Spelled out in assembly on x86: GCC's vectorizer deletes
+// __builtin_prefetch from the loops it vectorizes, and a loop of nothing but prefetches is one
+// (this kernel's prefetch loop compiled to an empty loop: a decode step's attention ran at a
+// third of the memory bandwidth, waiting on every block).
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
 #else
-  __builtin_prefetch(p);
+  __builtin_prefetch(p, 0, 1);
 #endif
 }
 
 // Part `part` of `parts` of a block's keys and values of the heads [h0, h0 + heads), as the
-// attention of the block before it goes on. Asked for a part at a time: a whole block's 192
+// attention of a block before it goes on. Asked for a part at a time: a whole block's 192
 // lines asked at once overflow the core's few outstanding-miss slots and most are dropped
 // (measured on a 2-core EPYC, 16 sequences of 200 tokens, bf16, every layer in turn: 169 us a
 // layer without prefetching, 137 asking for the whole block at once, 99 in parts; 81 with the
@@ -254,6 +257,27 @@ inline void softmax_update(const Shape& s, float* probs, int64_t n, float* m, fl
   }
 }
 
+// The blocks one thread reads, in the order it reads them (its items one after another), so
+// that the block `kAhead` places on is asked for while this one is computed, across the end of
+// an item too: memory answers in ~a block's compute time, so one block ahead left every block
+// waiting on part of its lines, and each item's first blocks on all of them.
+template <typename T>
+struct BlockStream {
+  struct Entry {
+    const T* block;
+    int64_t h0;  // the item's first KV head
+  };
+  static constexpr int64_t kAhead = 2;
+  std::vector<Entry> order;
+  int64_t position = 0;  // the block being computed
+
+  // The block to ask for while the current one is computed (null past the end); advances.
+  const Entry* advance() {
+    const int64_t target = position++ + kAhead;
+    return target < static_cast<int64_t>(order.size()) ? &order[target] : nullptr;
+  }
+};
+
 // One thread's working memory, reused over its items.
 struct Scratch {
   explicit Scratch(const Shape& s)
@@ -269,7 +293,8 @@ struct Scratch {
 // pass, contiguous when every head is taken), 16 keys at a time with an online softmax.
 template <typename T>
 void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, const T* cache,
-            const int64_t* tables, int64_t context, float scale, T* out, Scratch& w) {
+            const int64_t* tables, int64_t context, float scale, T* out, Scratch& w,
+            BlockStream<T>& stream) {
   const int64_t group = s.group, head_dim = s.head_dim, block_size = s.block_size;
   const int64_t width = heads * group * head_dim;  // the item's query heads, one after another
   const T* qh = q + (seq * s.num_heads + h0 * group) * head_dim;
@@ -282,11 +307,10 @@ void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, 
     const T* block = cache + tables[seq * s.max_blocks + start / block_size] * s.block_stride +
                      s.layer_offset;
     // Blocks lie anywhere in the cache, so the hardware prefetcher loses the thread at every
-    // block: the next one's keys and values are asked for in parts while this one is computed.
-    const T* next = nullptr;
-    if (start + block_size < context)
-      next = cache + tables[seq * s.max_blocks + start / block_size + 1] * s.block_stride +
-             s.layer_offset;
+    // block: a later one's keys and values are asked for in parts while this one is computed.
+    const typename BlockStream<T>::Entry* ahead = stream.advance();
+    const T* next = ahead ? ahead->block : nullptr;
+    const int64_t next_h0 = ahead ? ahead->h0 : 0;
     // Three parts per tile: with two, an fp32 block's parts were 64 lines and lost a tenth.
     const int64_t parts = heads * ((count + kTile - 1) / kTile) * 3;
     int64_t part = 0;
@@ -296,11 +320,11 @@ void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, 
         const int64_t n = std::min(kTile, count - j0);
         const T* keys = block + j0 * s.token_stride + (h0 + i) * head_dim;
         float* acc = w.acc.data() + off * head_dim;
-        if (next) prefetch_part(s, next, h0, heads, part++, parts);
+        if (next) prefetch_part(s, next, next_h0, heads, part++, parts);
         score_tile(s, w.qf.data() + off * head_dim, keys, n, scale, w.part.data(), w.probs.data());
-        if (next) prefetch_part(s, next, h0, heads, part++, parts);
+        if (next) prefetch_part(s, next, next_h0, heads, part++, parts);
         softmax_update(s, w.probs.data(), n, w.m.data() + off, w.l.data() + off, acc);
-        if (next) prefetch_part(s, next, h0, heads, part++, parts);
+        if (next) prefetch_part(s, next, next_h0, heads, part++, parts);
         accumulate_values(s, w.probs.data(), keys + s.kv_stride, n, acc);
       }
     }
@@ -327,11 +351,23 @@ void run(const Shape& s, const torch::Tensor& q, const torch::Tensor& kv_cache,
   const int64_t per_seq = s.kv_heads / heads;
   at::parallel_for(0, s.num_seqs * per_seq, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(s);
+    BlockStream<T> stream;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / per_seq, h0 = (item % per_seq) * heads;
-      const int64_t context = lp[seq];
-      TORCH_CHECK(context <= s.max_blocks * s.block_size, "seq_len beyond its block table");
-      attend(s, seq, h0, heads, qp, cache, tp, context, scale, op, scratch);
+      TORCH_CHECK(lp[seq] <= s.max_blocks * s.block_size, "seq_len beyond its block table");
+      for (int64_t start = 0; start < lp[seq]; start += s.block_size)
+        stream.order.push_back(
+            {cache + tp[seq * s.max_blocks + start / s.block_size] * s.block_stride +
+                 s.layer_offset,
+             h0});
+    }
+    // The first blocks: nothing computes before them to hide their asking.
+    for (int64_t i = 0; i < BlockStream<T>::kAhead && i < (int64_t)stream.order.size(); ++i)
+      for (int64_t part = 0; part < 3; ++part)
+        prefetch_part(s, stream.order[i].block, stream.order[i].h0, heads, part, 3);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / per_seq, h0 = (item % per_seq) * heads;
+      attend(s, seq, h0, heads, qp, cache, tp, lp[seq], scale, op, scratch, stream);
     }
   });
 }
