@@ -44,7 +44,7 @@ def write_kv(
     module = load_extension()
     takes = (
         module is not None
-        and kv_cache.device.type == "cpu"
+        and kv_cache.is_cpu
         and key.dtype == value.dtype == kv_cache.dtype
         and slot_mapping.dtype == torch.int64
     )
