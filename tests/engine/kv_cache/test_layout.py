@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
 from kvrelay_kernels.host_memory import HUGE_PAGE_BYTES, HUGE_PAGES_ENV
 from tests.engine.conftest import load_model_config_135m
+from tests.fresh_python import run_fresh_python
 from tests.kernels.huge_pages import thp_advice_works, vma_flags
 
 CONFIG = load_model_config_135m()  # 30 layers, 3 KV heads of 64 dims
@@ -24,14 +27,32 @@ def test_the_cache_is_zeroed_block_major_and_contiguous(dtype: torch.dtype) -> N
 
 
 @pytest.mark.skipif(not thp_advice_works(), reason="needs Linux with THP always or madvise")
-def test_a_cpu_cache_lies_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cpu_cache_lies_on_huge_pages() -> None:
     cache = allocate_kv_cache(CONFIG, num_blocks=16, block_size=16, dtype=torch.bfloat16)
     assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
     assert "hg" in vma_flags(cache.data_ptr())
-    monkeypatch.setenv(HUGE_PAGES_ENV, "off")
-    # 100 blocks, 37 MB: above glibc's largest mmap threshold, so a fresh mapping.
-    plain = allocate_kv_cache(CONFIG, num_blocks=100, block_size=16, dtype=torch.bfloat16)
-    assert "hg" not in vma_flags(plain.data_ptr())
+
+
+_PLAIN_CACHE = """
+import os
+os.environ["KVRELAY_HUGE_PAGES"] = "off"
+import torch
+from kvrelay.engine.kv_cache.layout import allocate_kv_cache
+from tests.engine.conftest import load_model_config_135m
+from tests.fresh_python import run_fresh_python
+from tests.kernels.huge_pages import vma_flags
+# 100 blocks, 37 MB: above glibc's largest mmap threshold, so a fresh mapping.
+plain = allocate_kv_cache(load_model_config_135m(), 100, 16, torch.bfloat16)
+print("hg" in vma_flags(plain.data_ptr()))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
+def test_a_cpu_cache_can_stay_off_huge_pages() -> None:
+    # In a fresh process: here, glibc may hand out heap memory that an earlier test advised
+    # and freed (a clean-clone CI run did), and its mapping keeps that advice.
+    assert HUGE_PAGES_ENV == "KVRELAY_HUGE_PAGES"
+    assert run_fresh_python(_PLAIN_CACHE, "services", "kernels").strip() == "False"
 
 
 def test_a_cache_on_another_device_is_allocated_there() -> None:
