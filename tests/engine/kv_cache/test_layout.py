@@ -39,7 +39,6 @@ os.environ["KVRELAY_HUGE_PAGES"] = "off"
 import torch
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache
 from tests.engine.conftest import load_model_config_135m
-from tests.fresh_python import run_fresh_python
 from tests.kernels.huge_pages import vma_flags
 # 100 blocks, 37 MB: above glibc's largest mmap threshold, so a fresh mapping.
 plain = allocate_kv_cache(load_model_config_135m(), 100, 16, torch.bfloat16)
