@@ -59,8 +59,10 @@ def test_the_wheel_ships_every_cuda_source_inside_the_kernel_package(wheel: Path
 
 
 def test_the_wheel_keeps_the_cpu_kernel_sources(wheel: Path) -> None:
-    cpu = sorted(p.name for p in (ROOT / "kernels/kvrelay_kernels/csrc_cpu").glob("*.cpp"))
-    assert cpu
+    # Headers too: the extensions include kernel_api.h, and a wheel without it cannot build.
+    folder = ROOT / "kernels/kvrelay_kernels/csrc_cpu"
+    cpu = sorted(p.name for p in [*folder.glob("*.cpp"), *folder.glob("*.h")])
+    assert "kernel_api.h" in cpu
     names = _names(wheel)
     assert all(f"kvrelay_kernels/csrc_cpu/{name}" in names for name in cpu)
 

@@ -12,6 +12,7 @@ name carries a tag of the CPU's feature flags (`build_name`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -63,12 +64,25 @@ def _build(name: str, source: Path, flags: list[str], what: str) -> ModuleType |
         if not _is_built(name):
             logger.warning("compiling kvrelay's %s (first use only, ~30 s)", what)
         module: ModuleType = load(
-            name=name, sources=[str(source)], extra_cflags=flags, verbose=False
+            name=name,
+            sources=[str(source)],
+            extra_cflags=[*flags, headers_flag()],
+            verbose=False,
         )
         return module
     except Exception as exc:  # no compiler or ninja: serve with the torch path instead
         logger.warning("%s unavailable (%s); using the torch path", what, exc)
         return None
+
+
+def headers_flag() -> str:
+    """A define naming the hash of the headers under `csrc_cpu`: torch keys its build cache on
+    the sources and the flags, not on what they include, so an edited header (kernel_api.h's
+    signatures) would otherwise leave a stale build in place."""
+    digest = hashlib.sha256()
+    for header in sorted(CSRC_CPU.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return f"-DKVRELAY_HEADERS_{digest.hexdigest()[:16]}"
 
 
 def clear_stale_build_lock(name: str, older_than_s: float = STALE_LOCK_S) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tests.hf_checkpoints import BASE, CASES, make_checkpoint
 
 from kvrelay.config import UnsupportedModelError
 from kvrelay.models import MissingWeightError, load_model
@@ -17,74 +18,11 @@ from kvrelay_kernels import select_backend
 
 transformers = pytest.importorskip("transformers")
 
-BASE: dict[str, Any] = {
-    "vocab_size": 97,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-5,
-}
-
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-gqa-tied": ("llama", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
-    "llama-mha-untied": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0}),
-    "llama3-rope-headdim-bias": (
-        "llama",
-        {
-            # head_dim 24 != hidden / heads = 16; one KV head for all four query heads.
-            "head_dim": 24,
-            "num_key_value_heads": 1,
-            "attention_bias": True,
-            "tie_word_embeddings": False,
-            "rope_theta": 500000.0,
-            # A small original context puts the test's positions in all three llama3 bands.
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
-        },
-    ),
-    "llama-linear-rope": (
-        "llama",
-        {"num_key_value_heads": 2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    ),
-    "qwen2-bias-gqa": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
-    "qwen2-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
-}
-
-
-def _make_checkpoint(folder: Path, family: str, overrides: dict[str, Any]) -> Any:
-    """Write a random HF checkpoint to `folder` and return the HF model (eval, fp32)."""
-    torch.manual_seed(0)
-    kwargs = {**BASE, **overrides}
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
-    # HF's init (std 0.02) gives near-zero logits that would hide a wrong layout; larger
-    # weights make every part of the computation show in the output.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    return model.eval()
-
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mixed_prefill_and_decode_match_hf(tmp_path: Path, case: str, paged_kv: Any) -> None:
     family, overrides = CASES[case]
-    hf_model = _make_checkpoint(tmp_path, family, overrides)
+    hf_model = make_checkpoint(tmp_path, family, overrides)
     model, config = load_model(tmp_path, select_backend("torch"))
     assert config.architecture == ("Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM")
 
@@ -134,7 +72,7 @@ def test_sharded_checkpoint_loads_through_index(tmp_path: Path, paged_kv: Any) -
 
 
 def test_unknown_architecture_is_rejected(tmp_path: Path) -> None:
-    _make_checkpoint(tmp_path, "llama", {})
+    make_checkpoint(tmp_path, "llama", {})
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["MistralForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -143,7 +81,7 @@ def test_unknown_architecture_is_rejected(tmp_path: Path) -> None:
 
 
 def test_missing_weight_is_named(tmp_path: Path) -> None:
-    _make_checkpoint(tmp_path, "llama", {"tie_word_embeddings": False})
+    make_checkpoint(tmp_path, "llama", {"tie_word_embeddings": False})
     path = tmp_path / "model.safetensors"
     weights = load_file(str(path))
     del weights["model.layers.1.mlp.up_proj.weight"]
@@ -153,7 +91,7 @@ def test_missing_weight_is_named(tmp_path: Path) -> None:
 
 
 def test_unexpected_weight_is_reported(tmp_path: Path) -> None:
-    _make_checkpoint(tmp_path, "llama", {})
+    make_checkpoint(tmp_path, "llama", {})
     path = tmp_path / "model.safetensors"
     weights = load_file(str(path))
     weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
@@ -166,14 +104,14 @@ def test_unexpected_weight_is_reported(tmp_path: Path) -> None:
 def test_missing_files_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_model(tmp_path, select_backend("torch"))
-    _make_checkpoint(tmp_path, "llama", {})
+    make_checkpoint(tmp_path, "llama", {})
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(tmp_path, select_backend("torch"))
 
 
 def test_position_beyond_rope_table_is_rejected(tmp_path: Path, paged_kv: Any) -> None:
-    _make_checkpoint(tmp_path, "llama", {})
+    make_checkpoint(tmp_path, "llama", {})
     model, _ = load_model(tmp_path, select_backend("torch"), max_positions=8)
     with pytest.raises(ValueError, match="max_positions"):
         paged_kv(model, 8, 4).forward_logits(model, [("a", list(range(9)))])

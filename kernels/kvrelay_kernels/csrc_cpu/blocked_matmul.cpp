@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <immintrin.h>
 
@@ -228,4 +229,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_matmul", &blocked_matmul, ReleaseGil(),
         "dense matmul on a weight packed in blocks of 32 outputs (CPU, fp32 or bf16)");
   m.def("supports", &supports, "whether this build has the kernel for a dtype name");
+  namespace api = kvrelay_api;
+  pybind11::dict entries;
+  entries[api::kBlockedMatmul] =
+      api::export_kernel<api::BlockedMatmulFn>(&blocked_matmul, api::kBlockedMatmul);
+  m.attr("entries") = entries;
 }

@@ -22,6 +22,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <cmath>
 #include <cstdint>
@@ -310,4 +311,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, ReleaseGil(), "rotate-half RoPE of every head (CPU, fp32 or bf16)");
   m.def("silu_and_mul", &silu_and_mul, ReleaseGil(),
         "silu(gate) * up of each row (CPU, fp32 or bf16)");
+  namespace api = kvrelay_api;
+  pybind11::dict entries;
+  entries[api::kRmsNorm] = api::export_kernel<api::RmsNormFn>(&rms_norm, api::kRmsNorm);
+  entries[api::kAddRmsNorm] =
+      api::export_kernel<api::AddRmsNormFn>(&add_rms_norm, api::kAddRmsNorm);
+  entries[api::kRope] = api::export_kernel<api::RopeFn>(&rope, api::kRope);
+  entries[api::kSiluAndMul] =
+      api::export_kernel<api::SiluAndMulFn>(&silu_and_mul, api::kSiluAndMul);
+  m.attr("entries") = entries;
 }

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -463,4 +464,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the block-major paged KV cache (CPU, fp32 or bf16)");
   m.def("write_kv", &write_kv, ReleaseGil(),
         "new keys and values into their slots of one layer (CPU)");
+  namespace api = kvrelay_api;
+  pybind11::dict entries;
+  entries[api::kDecodeAttention] =
+      api::export_kernel<api::DecodeAttentionFn>(&paged_decode_attention, api::kDecodeAttention);
+  entries[api::kWriteKv] = api::export_kernel<api::WriteKvFn>(&write_kv, api::kWriteKv);
+  m.attr("entries") = entries;
 }

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kvrelay.config import ModelConfig
+from kvrelay.models.decoder_stack import DecoderStack, build_decoder_stack
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.layers import (
     Blocked,
@@ -162,6 +163,8 @@ class CausalLM(nn.Module):
         # embedding's own blocks, for steps of fewer rows than `quantized_logits_below_rows`.
         self.quantized_logits: nn.Module | None = None
         self.quantized_logits_below_rows = QUANTIZED_LOGITS_BELOW_ROWS
+        # Set by prepack() where it can serve: all-decode CPU steps' layers in one C++ call.
+        self.decoder_stack: DecoderStack | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
@@ -212,8 +215,12 @@ class CausalLM(nn.Module):
             )
         h = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor owned by this call
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # shared by every layer
-        for layer in self.layers:
-            h = layer.forward(h, cos, sin, kv_cache, attn)
+        stack = self.decoder_stack
+        if stack is not None and stack.takes(h, kv_cache, attn):
+            h = stack.forward(h, cos, sin, kv_cache, attn)
+        else:
+            for layer in self.layers:
+                h = layer.forward(h, cos, sin, kv_cache, attn)
         return self.norm(h)
 
     def prepack(self) -> None:
@@ -223,7 +230,8 @@ class CausalLM(nn.Module):
 
         For inference only. Dense weights stay; with tied embeddings the vocab projection
         gets its own packed copy. Where oneDNN's copies serve, single-row steps take whichever
-        path is faster on this CPU (`single_row.choose_single_row_paths`).
+        path is faster on this CPU (`single_row.choose_single_row_paths`). Where every matmul
+        takes the blocked kernel, all-decode steps run the layers in C++ (`decoder_stack`).
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         # Tied, and not every row on the embedding's blocks (int8 activations).
@@ -242,6 +250,7 @@ class CausalLM(nn.Module):
                 self.packed_logits = PackedLinear(weight, None)
                 packed.append((weight, None, self.packed_logits))
         choose_single_row_paths(packed)
+        self.decoder_stack = build_decoder_stack(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
