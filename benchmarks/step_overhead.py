@@ -2,13 +2,15 @@
 """What serving costs on top of the engine: one stream's offline decode step time against its
 time per output token through `kvrelay serve`, per dtype, measured in one run (issue 15).
 
-For each dtype and serving mode `kvrelay serve` is started with the same model and dtype, and
---repeats pairs are run back to back: the offline engine (kvrelay.llm.LLM, in this process,
-the server idle meanwhile) decodes one greedy stream and every decode step is timed, then the
-same stream is sent to the server over HTTP and its TPOT is the time from the first to the
-last token over the tokens in between. Each pair's ratio is TPOT / median step; the table
-gives the medians. Pairing matters on a shared host, whose speed drifts by 20-40% within
-minutes: an offline figure taken minutes before the served one says little about it.
+For each dtype and serving mode `kvrelay serve` is started with the same model and dtype, its
+workers on the threads `kvrelay serve` gives them by default (all cores colocated, half each
+disaggregated) and the offline engine on as many, and --repeats pairs are run back to back:
+the offline engine (kvrelay.llm.LLM, in this process, the server idle meanwhile) decodes one
+greedy stream and every decode step is timed, then the same stream is sent to the server over
+HTTP and its TPOT is the time from the first to the last token over the tokens in between.
+Each pair's ratio is TPOT / median step; the table gives the medians. Pairing matters on a
+shared host, whose speed drifts by 20-40% within minutes: an offline figure taken minutes
+before the served one says little about it.
 The target: serving TPOT within 10% of the offline step (a ratio <= 1.10).
 
     .venv/bin/python benchmarks/step_overhead.py
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import http.client
 import json
 import os
 import shutil
@@ -27,11 +30,11 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from tqdm import tqdm
 
 from kvrelay.models.quantized_loading import QUANTIZATIONS
@@ -45,6 +48,7 @@ MODES = ("disaggregated", "colocated")
 @dataclass(frozen=True)
 class Row:
     dtype: str  # and the weights' quantization, when there is one ("bfloat16, q4_1")
+    threads: int  # torch threads of the offline engine and of each served worker
     offline_ms: float  # median decode step of the offline engine
     mode: str
     tpot_ms: float  # median time per output token through the server
@@ -61,13 +65,19 @@ class OfflineStream:
         tokens: int,
         quantization: str = "none",
         int8_activations: bool = False,
+        threads: int | None = None,
     ) -> None:
         from kvrelay import SamplingParams
         from kvrelay.llm import LLM
 
         self.llm = LLM(
-            model, dtype=dtype, quantization=quantization, int8_activations=int8_activations
+            model,
+            dtype=dtype,
+            quantization=quantization,
+            int8_activations=int8_activations,
+            num_threads=threads,
         )
+        self.threads = threads
         self.prompt = self.llm.get_tokenizer().encode(PROMPT)
         self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         self._runs = 0
@@ -75,6 +85,10 @@ class OfflineStream:
 
     def step_ms(self) -> float:
         """Median wall time of one decode step of a fresh stream, engine only."""
+        if self.threads is not None:  # torch's count is per process: another engine's may hold
+            import torch
+
+            torch.set_num_threads(self.threads)
         self._runs += 1
         return decode_step_ms(self.llm.engine, self.prompt, self.params, f"offline-{self._runs}")
 
@@ -84,18 +98,31 @@ class OfflineStream:
 
 
 def served_tpot_ms(base_url: str, tokens: int) -> float:
-    """One streamed completion's time per output token after the first, in ms."""
+    """One streamed completion's time per output token after the first, in ms.
+
+    Read line by line with the standard library's http.client: the client shares the server's
+    two cores, so its CPU is charged to the stream it times. httpx's streamed lines cost ~0.46
+    ms of CPU a token there (measured on the 2-core EPYC, bf16: as much as the router spent).
+    """
     payload = {"prompt": PROMPT, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
                "temperature": 0, "stream": True}  # fmt: skip
+    url = urllib.parse.urlsplit(base_url)
+    connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=600)
     arrivals: list[float] = []
-    with httpx.stream("POST", base_url + "/v1/completions", json=payload, timeout=600) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            data = line.removeprefix("data:").strip()
-            if not data or data == "[DONE]":
+    try:
+        headers = {"Content-Type": "application/json"}
+        connection.request("POST", "/v1/completions", json.dumps(payload), headers)
+        reply = connection.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"the server answered {reply.status}: {reply.read(300)!r}")
+        for line in reply:  # lines of the chunked body, as they arrive
+            data = line.removeprefix(b"data:").strip()
+            if not data or data == b"[DONE]":
                 continue
             if any(c.get("text") for c in json.loads(data).get("choices", [])):
                 arrivals.append(time.perf_counter())
+    finally:
+        connection.close()
     if len(arrivals) < 2:
         raise RuntimeError(f"the server streamed {len(arrivals)} token chunks, expected {tokens}")
     return 1000 * (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
@@ -140,12 +167,22 @@ def cpu_ms_per_token(root: int, base_url: str, tokens: int, streams: int) -> dic
     return {name: 1000 * s / tokens for name, s in sorted(spent.items()) if s > 0}
 
 
+def worker_threads(mode: str) -> int:
+    """The torch threads `kvrelay serve` gives each worker by default in `mode`: the cores over
+    its workers (one colocated; a prefill and a decode worker disaggregated). The offline
+    engine of a row runs with as many, so that a row compares serving, not thread counts."""
+    return max(1, (os.cpu_count() or 1) // (1 if mode == "colocated" else 2))
+
+
 def paired_row(
     args: argparse.Namespace, dtype: str, mode: str, offline: OfflineStream | None, log_dir: Path
 ) -> Row:
-    """--repeats (offline step, served TPOT) pairs, back to back, against one server."""
+    """--repeats (offline step, served TPOT) pairs, back to back, against one server whose
+    workers run `worker_threads(mode)` threads, as `offline` does."""
     kvrelay_bin = shutil.which("kvrelay") or str(Path(sys.executable).parent / "kvrelay")
+    threads = worker_threads(mode)
     flags = ("--dtype", dtype, "--quantization", args.quantization)
+    flags += ("--worker-threads", str(threads))
     flags += ("--int8-activations",) if args.int8_activations else ()
     label = weights_label(dtype, args.quantization, args.int8_activations)
     spec = kvrelay_spec(f"kvrelay {mode} {label}", kvrelay_bin, mode == "colocated",
@@ -167,7 +204,7 @@ def paired_row(
             )
     ratios = [tpot / step for step, tpot in zip(steps, tpots, strict=True)]
     median = statistics.median
-    return Row(label, median(steps), mode, median(tpots), median(ratios))
+    return Row(label, threads, median(steps), mode, median(tpots), median(ratios))
 
 
 def weights_label(dtype: str, quantization: str, int8_activations: bool = False) -> str:
@@ -179,13 +216,13 @@ def weights_label(dtype: str, quantization: str, int8_activations: bool = False)
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| dtype | offline step (ms) | serving mode | serving TPOT (ms) | overhead (ms) "
-        "| TPOT / step (paired) |",
-        "|---|---|---|---|---|---|",
+        "| dtype | threads | offline step (ms) | serving mode | serving TPOT (ms) "
+        "| overhead (ms) | TPOT / step (paired) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.dtype} | {r.offline_ms:.1f} | {r.mode} | {r.tpot_ms:.1f} | "
+            f"| {r.dtype} | {r.threads} | {r.offline_ms:.1f} | {r.mode} | {r.tpot_ms:.1f} | "
             f"{r.tpot_ms - r.offline_ms:+.1f} | {r.ratio:.2f}x |"
         )
     return "\n".join(lines)
@@ -227,16 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as logs:
         for dtype in args.dtypes:
-            offline = (
-                None
-                if args.skip_offline
-                else OfflineStream(
-                    args.model, dtype, args.tokens, args.quantization, args.int8_activations
-                )
-            )
-            rows += [paired_row(args, dtype, mode, offline, Path(logs)) for mode in args.modes]
-            if offline is not None:
-                offline.close()
+            offline: dict[int, OfflineStream] = {}  # one engine per thread count
+            for mode in args.modes:
+                threads = worker_threads(mode)
+                if not args.skip_offline and threads not in offline:
+                    offline[threads] = OfflineStream(args.model, dtype, args.tokens,
+                                                     args.quantization, args.int8_activations,
+                                                     threads)  # fmt: skip
+                rows.append(paired_row(args, dtype, mode, offline.get(threads), Path(logs)))
+            for stream in offline.values():
+                stream.close()
     print(table(rows))
     return 0
 

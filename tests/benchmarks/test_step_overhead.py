@@ -51,15 +51,28 @@ def test_quantization_names_the_rows_and_is_checked(script: ModuleType) -> None:
 
 def test_table_reports_overhead_and_ratio(script: ModuleType) -> None:
     # The ratio is the median of the paired runs' ratios, not the ratio of the medians.
-    text = script.table([script.Row("float32", 20.0, "colocated", 25.0, 1.2)])
-    assert "| float32 | 20.0 | colocated | 25.0 | +5.0 | 1.20x |" in text
+    text = script.table([script.Row("float32", 2, 20.0, "colocated", 25.0, 1.2)])
+    assert "| float32 | 2 | 20.0 | colocated | 25.0 | +5.0 | 1.20x |" in text
+
+
+def test_a_row_pairs_an_offline_engine_with_the_workers_thread_count(
+    script: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Disaggregated, the cores are split between the prefill and the decode worker: the
+    # offline step it is set against must not run on twice the threads.
+    monkeypatch.setattr(script.os, "cpu_count", lambda: 8)
+    assert script.worker_threads("colocated") == 8
+    assert script.worker_threads("disaggregated") == 4
+    monkeypatch.setattr(script.os, "cpu_count", lambda: 1)
+    assert script.worker_threads("disaggregated") == 1
 
 
 def test_offline_streams_run_one_after_another_on_one_engine(script: ModuleType) -> None:
     """The offline step is timed on the embedded model; the paired runs reuse one engine,
     each stream finishing and freeing its blocks."""
-    stream = script.OfflineStream(None, "float32", tokens=4)
+    stream = script.OfflineStream(None, "float32", tokens=4, threads=1)
     engine = stream.llm.engine
+    assert engine.config.num_threads == 1
     free = engine.kv_cache.num_free_blocks
     steps = [stream.step_ms() for _ in range(2)]
     assert all(0.1 < ms < 10_000 for ms in steps)
@@ -87,3 +100,11 @@ def test_served_tpot_comes_from_a_real_stream(
 ) -> None:
     tpot_ms = script.served_tpot_ms(kvrelay_server.http_url, 6)
     assert 0.1 < tpot_ms < 10_000
+
+
+@pytest.mark.e2e
+def test_a_refused_stream_says_what_the_server_answered(
+    script: ModuleType, kvrelay_server: ServerProcess
+) -> None:
+    with pytest.raises(RuntimeError, match="the server answered 400"):
+        script.served_tpot_ms(kvrelay_server.http_url, 10**9)  # beyond any context
