@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <immintrin.h>
 
@@ -320,4 +321,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         "GGUF Q4_1 blocks as a dense [out, in] weight");
   module.def("q8_0_dequantize", &q8_0_dequantize, ReleaseGil(),
         "GGUF Q8_0 blocks as a dense [out, in] weight");
+  namespace api = kvrelay_api;
+  pybind11::dict entries;
+  entries[api::kQ4_1Matmul] = api::export_kernel<api::Q4_1MatmulFn>(&q4_1_matmul, api::kQ4_1Matmul);
+  entries[api::kQ8_0Matmul] = api::export_kernel<api::Q8_0MatmulFn>(&q8_0_matmul, api::kQ8_0Matmul);
+  module.attr("entries") = entries;
 }

@@ -7,11 +7,13 @@
 // back to back from C++; they are the other extensions' own functions, reached through the
 // capsules they export (kernel_api.h), so the results are bit for bit the Python path's.
 //
-// The layer is models/llama.py's DecoderLayer for an all-decode step whose matmuls all take
-// the blocked kernel: any other step (prefill chunks, other weight formats) runs in Python.
+// The layer is models/llama.py's DecoderLayer for an all-decode step whose matmuls each run
+// one C++ kernel: kvrelay's blocked kernel, or the GGUF Q4_1 / Q8_0 block kernels (int8
+// activations or not). Any other step (prefill chunks, torch's matmuls) runs in Python.
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -21,16 +23,53 @@ namespace {
 
 namespace api = kvrelay_api;
 
-// One packed weight as models/layers.py's `Blocked` binds it: blocks, out-features, bias.
-using BlockedWeight = std::tuple<torch::Tensor, int64_t, std::optional<torch::Tensor>>;
+// One matmul of a layer: x @ W.T (+ bias) by the kernel named `kernel` (a capsule name of
+// kernel_api.h) over the weight tensors it takes after x: blocked_matmul's packed blocks, or
+// a Q4_1 kernel's codes, scales and minimums, or a Q8_0 kernel's codes and scales.
+using MatmulSpec =
+    std::tuple<std::string, std::vector<torch::Tensor>, int64_t, std::optional<torch::Tensor>>;
+
+class Matmul {
+ public:
+  Matmul() = default;
+  Matmul(const pybind11::dict& entries, const MatmulSpec& spec)
+      : weights_(std::get<1>(spec)), n_(std::get<2>(spec)), bias_(std::get<3>(spec)) {
+    const std::string& kernel = std::get<0>(spec);
+    TORCH_CHECK(entries.contains(kernel.c_str()), "decoder stack: no kernel ", kernel, " given");
+    const pybind11::object entry = entries[kernel.c_str()];
+    const size_t expected = kernel == api::kBlockedMatmul                                ? 1
+                            : kernel == api::kQ4_1Matmul || kernel == api::kQ4_1Int8Matmul ? 3
+                            : kernel == api::kQ8_0Matmul || kernel == api::kQ8_0Int8Matmul ? 2
+                                                                                           : 0;
+    TORCH_CHECK(expected > 0, "decoder stack: ", kernel, " is no matmul kernel");
+    TORCH_CHECK(weights_.size() == expected, "decoder stack: ", kernel, " takes ", expected,
+                " weight tensors, not ", weights_.size());
+    if (expected == 1) blocked_ = api::import_kernel<api::BlockedMatmulFn>(entry, kernel.c_str());
+    if (expected == 3) q4_1_ = api::import_kernel<api::Q4_1MatmulFn>(entry, kernel.c_str());
+    if (expected == 2) q8_0_ = api::import_kernel<api::Q8_0MatmulFn>(entry, kernel.c_str());
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (blocked_ != nullptr) return blocked_(x, weights_[0], n_, bias_);
+    if (q4_1_ != nullptr) return q4_1_(x, weights_[0], weights_[1], weights_[2], bias_);
+    return q8_0_(x, weights_[0], weights_[1], bias_);
+  }
+
+ private:
+  std::vector<torch::Tensor> weights_;
+  int64_t n_ = 0;
+  std::optional<torch::Tensor> bias_;
+  api::BlockedMatmulFn blocked_ = nullptr;
+  api::Q4_1MatmulFn q4_1_ = nullptr;
+  api::Q8_0MatmulFn q8_0_ = nullptr;
+};
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  BlockedWeight qkv, o, gate_up, down;
+  Matmul qkv, o, gate_up, down;
 };
 
 struct Kernels {
-  api::BlockedMatmulFn matmul;
   api::RmsNormFn rms_norm;
   api::AddRmsNormFn add_rms_norm;
   api::RopeFn rope;
@@ -45,7 +84,6 @@ Kernels import_kernels(const pybind11::dict& entries) {
     return entries[name];
   };
   return Kernels{
-      api::import_kernel<api::BlockedMatmulFn>(get(api::kBlockedMatmul), api::kBlockedMatmul),
       api::import_kernel<api::RmsNormFn>(get(api::kRmsNorm), api::kRmsNorm),
       api::import_kernel<api::AddRmsNormFn>(get(api::kAddRmsNorm), api::kAddRmsNorm),
       api::import_kernel<api::RopeFn>(get(api::kRope), api::kRope),
@@ -70,7 +108,8 @@ class DecoderStack {
   // norms'; scale: attention's softmax scale.
   DecoderStack(const pybind11::dict& entries, int64_t num_heads, int64_t num_kv_heads,
                int64_t head_dim, double eps, double scale)
-      : k_(import_kernels(entries)),
+      : entries_(entries),
+        k_(import_kernels(entries)),
         heads_(num_heads),
         kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -79,9 +118,11 @@ class DecoderStack {
 
   // Layers in order; linears: qkv, o, gate_up, down (the qkv rows are q's, k's, then v's).
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm,
-                 const std::vector<BlockedWeight>& linears) {
+                 const std::vector<MatmulSpec>& linears) {
     TORCH_CHECK(linears.size() == 4, "decoder stack: qkv, o, gate_up and down expected");
-    layers_.push_back(Layer{input_norm, post_norm, linears[0], linears[1], linears[2], linears[3]});
+    layers_.push_back(Layer{input_norm, post_norm, Matmul(entries_, linears[0]),
+                            Matmul(entries_, linears[1]), Matmul(entries_, linears[2]),
+                            Matmul(entries_, linears[3])});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -97,17 +138,12 @@ class DecoderStack {
                                                cos, sin, kv_cache, slot_mapping, block_tables,
                                                seq_lens);
       const torch::Tensor normed = k_.add_rms_norm(h, attended, layer.post_norm, eps_);
-      const torch::Tensor gate_up = matmul(normed, layer.gate_up);
-      h.add_(matmul(k_.silu_and_mul(gate_up), layer.down));
+      h.add_(layer.down(k_.silu_and_mul(layer.gate_up(normed))));
     }
     return h;
   }
 
  private:
-  torch::Tensor matmul(const torch::Tensor& x, const BlockedWeight& w) const {
-    return k_.matmul(x, std::get<0>(w), std::get<1>(w), std::get<2>(w));
-  }
-
   // llama.py's Attention.forward, decode rows only.
   torch::Tensor attention(const Layer& layer, int64_t index, const torch::Tensor& x,
                           const torch::Tensor& cos, const torch::Tensor& sin,
@@ -115,7 +151,7 @@ class DecoderStack {
                           const torch::Tensor& block_tables,
                           const torch::Tensor& seq_lens) const {
     const int64_t tokens = x.size(0), qk_width = (heads_ + kv_heads_) * head_dim_;
-    const torch::Tensor qkv = matmul(x, layer.qkv);
+    const torch::Tensor qkv = layer.qkv(x);
     const torch::Tensor qk = k_.rope(
         qkv.slice(1, 0, qk_width).view({tokens, heads_ + kv_heads_, head_dim_}), cos, sin);
     const torch::Tensor v = qkv.slice(1, qk_width).view({tokens, kv_heads_, head_dim_});
@@ -123,9 +159,10 @@ class DecoderStack {
                 kv_cache, index, slot_mapping);
     const torch::Tensor out = k_.attention(qk.narrow(1, 0, heads_).contiguous(), kv_cache, index,
                                            block_tables, seq_lens, scale_);
-    return matmul(out.reshape({tokens, heads_ * head_dim_}), layer.o);
+    return layer.o(out.reshape({tokens, heads_ * head_dim_}));
   }
 
+  pybind11::dict entries_;  // every kernel given, for the matmuls of layers added later
   Kernels k_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;

@@ -32,6 +32,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>  // fp16 scales, in the plain C++ path
 #include <torch/extension.h>
+#include "kernel_api.h"
 
 #include <immintrin.h>
 
@@ -507,4 +508,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "x @ W.T over Q8_0 panels, x quantized to int8 per 32 values (+ bias)");
   module.def("int8_quantize", &int8_quantize, ReleaseGil(),
              "x's int8 codes, fp32 scales and int32 code sums per block of 32");
+  namespace api = kvrelay_api;
+  pybind11::dict entries;
+  entries[api::kQ4_1Int8Matmul] =
+      api::export_kernel<api::Q4_1MatmulFn>(&q4_1_int8_matmul, api::kQ4_1Int8Matmul);
+  entries[api::kQ8_0Int8Matmul] =
+      api::export_kernel<api::Q8_0MatmulFn>(&q8_0_int8_matmul, api::kQ8_0Int8Matmul);
+  module.attr("entries") = entries;
 }

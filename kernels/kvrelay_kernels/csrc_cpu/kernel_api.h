@@ -19,6 +19,14 @@ namespace kvrelay_api {
 // blocked_matmul.cpp: x [rows, k] @ W.T (+ fp32 bias) over the weight's packed blocks.
 using BlockedMatmulFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& blocks,
                                           int64_t n, const c10::optional<torch::Tensor>& bias);
+// block_quant_matmul.cpp (GGUF blocks) and int8_dot_matmul.cpp (int8 activations): x @ W.T
+// (+ bias) over Q4_1's codes, scales and minimums, or Q8_0's codes and scales.
+using Q4_1MatmulFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& codes,
+                                       const torch::Tensor& d, const torch::Tensor& m,
+                                       const c10::optional<torch::Tensor>& bias);
+using Q8_0MatmulFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& codes,
+                                       const torch::Tensor& d,
+                                       const c10::optional<torch::Tensor>& bias);
 // fused_layer_ops.cpp
 using RmsNormFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& weight,
                                     double eps);
@@ -37,6 +45,10 @@ using WriteKvFn = void (*)(const torch::Tensor& key, const torch::Tensor& value,
 
 // Capsule names, one per kernel (static storage: a capsule keeps the pointer).
 constexpr const char kBlockedMatmul[] = "kvrelay.blocked_matmul";
+constexpr const char kQ4_1Matmul[] = "kvrelay.q4_1_matmul";
+constexpr const char kQ8_0Matmul[] = "kvrelay.q8_0_matmul";
+constexpr const char kQ4_1Int8Matmul[] = "kvrelay.q4_1_int8_matmul";
+constexpr const char kQ8_0Int8Matmul[] = "kvrelay.q8_0_int8_matmul";
 constexpr const char kRmsNorm[] = "kvrelay.rms_norm";
 constexpr const char kAddRmsNorm[] = "kvrelay.add_rms_norm";
 constexpr const char kRope[] = "kvrelay.rope";

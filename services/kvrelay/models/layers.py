@@ -5,20 +5,35 @@ Weights come from a checkpoint: `loader.py` builds the model on the meta device 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.cpu_features import cpu_has_native_bf16
-from kvrelay_kernels.cpu_blocked import blocked_ops_for, pack_blocks
+from kvrelay_kernels.cpu_blocked import blocked_ops_for, load_blocked_ops, pack_blocks
 from kvrelay_kernels.cpu_fused import fused_ops_for
 
 # kvrelay's blocked kernel bound to one weight: the kernel, the weight packed in its blocks,
 # the out-features and the fp32 bias, bound once (reading a parameter through
 # `nn.Module.__getattr__` costs about a microsecond).
 Blocked = tuple[Callable[..., torch.Tensor], torch.Tensor, int, torch.Tensor | None]
+
+
+class NativeMatmul(NamedTuple):
+    """A layer's matmul as the C++ decoder stack calls it (`models/decoder_stack.py`)."""
+
+    kernel: str  # the kernel's capsule name (kvrelay_kernels/csrc_cpu/kernel_api.h)
+    weights: list[torch.Tensor]  # what the kernel takes after x, before the bias
+    out_features: int
+    bias: torch.Tensor | None
+    module: ModuleType  # the extension exporting the kernel
+    max_rows: int  # the most rows the layer sends to this kernel (more take another path)
+
 
 # Below this many rows `linear` computes `W @ x.T`; measured crossover with `F.linear`.
 SMALL_BATCH_ROWS = 64
@@ -145,6 +160,16 @@ class Linear(nn.Linear):
         self.blocked = blocked_of(self.weight, self.bias, blocks)
         if self.blocked is None and can_prepack(self.weight):
             self.packed = PackedLinear(self.weight, self.bias)
+
+    def native_matmul(self) -> NativeMatmul | None:
+        """This layer's matmul for the decoder stack: the blocked kernel, at every row count,
+        once `prepack` bound it; None otherwise."""
+        module = load_blocked_ops()
+        if self.blocked is None or module is None:
+            return None
+        _, blocks, out_features, bias = self.blocked
+        return NativeMatmul("kvrelay.blocked_matmul", [blocks], out_features, bias, module,
+                            sys.maxsize)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = run_blocked(self.blocked, x)

@@ -32,6 +32,7 @@ activations to int8 per 32 values (llama.cpp's scheme) and runs integer dot prod
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import cast
@@ -50,6 +51,7 @@ from kvrelay.models.gguf_blocks import (
     q8_0_blocks,
     raw_format,
 )
+from kvrelay.models.layers import NativeMatmul
 from kvrelay_kernels.cpu_quantized import load_block_quant_ops, load_int8_dot_ops
 
 # torch's int4 packing requires the output rows in multiples of 16.
@@ -226,6 +228,19 @@ class Int4PlanesLinear(nn.Module):
         """Whether rows below DENSE_FROM_ROWS take the block kernel's loop (else torch's
         int4 kernel), where the block kernel builds."""
         return True
+
+    def native_matmul(self) -> NativeMatmul | None:
+        """This layer's matmul for the decoder stack: the few-row kernel `forward` calls (the
+        int8 one at every row count, the block loop below DENSE_FROM_ROWS); None without it."""
+        if self._few_rows is None:
+            return None
+        kernel, (*weights, bias) = self._few_rows
+        module = self.int8_ops or self.ops
+        assert module is not None
+        max_rows = sys.maxsize if self.int8_ops is not None else DENSE_FROM_ROWS - 1
+        tensors = [w for w in weights if w is not None]
+        return NativeMatmul(f"kvrelay.{kernel.__name__}", tensors, self.out_features, bias,
+                            module, max_rows)  # fmt: skip
 
     def rebind_weights(self) -> None:
         """Bind the few-row kernel to the buffers again, after they moved
