@@ -31,7 +31,6 @@ using MatmulSpec =
 
 class Matmul {
  public:
-  Matmul() = default;
   Matmul(const pybind11::dict& entries, const MatmulSpec& spec)
       : weights_(std::get<1>(spec)), n_(std::get<2>(spec)), bias_(std::get<3>(spec)) {
     const std::string& kernel = std::get<0>(spec);

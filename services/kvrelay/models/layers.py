@@ -164,8 +164,10 @@ class Linear(nn.Linear):
     def native_matmul(self) -> NativeMatmul | None:
         """This layer's matmul for the decoder stack: the blocked kernel, at every row count,
         once `prepack` bound it; None otherwise."""
-        module = load_blocked_ops()
-        if self.blocked is None or module is None:
+        if self.blocked is None:
+            return None
+        module = load_blocked_ops()  # built already: `prepack` bound its kernel
+        if module is None:
             return None
         _, blocks, out_features, bias = self.blocked
         return NativeMatmul("kvrelay.blocked_matmul", [blocks], out_features, bias, module,
