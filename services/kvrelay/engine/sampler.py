@@ -142,7 +142,7 @@ class Sampler:
         idx = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not idx:
             return idx, None
-        return idx, logits[idx].float().log_softmax(dim=-1)  # [L, V]
+        return idx, logits[device_index(idx, logits.device)].float().log_softmax(dim=-1)  # [L, V]
 
     @staticmethod
     def _mask_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
@@ -201,9 +201,11 @@ class Sampler:
         rand_set = set(rand_rows)
         greedy_rows = [i for i in range(x.shape[0]) if i not in rand_set]
         if greedy_rows:
-            tokens[greedy_rows] = argmax(x[greedy_rows]).to(x.device)  # numpy's is on the CPU
+            greedy = device_index(greedy_rows, x.device)
+            tokens[greedy] = argmax(x[greedy]).to(x.device)  # numpy's is on the CPU
         rand = [rows[i] for i in rand_rows]
-        tokens[rand_rows] = Sampler._sample(x[rand_rows], rand, u[rand_rows])
+        on_device = device_index(rand_rows, x.device)
+        tokens[on_device] = Sampler._sample(x[on_device], rand, u[rand_rows])  # u: on the host
         return tokens
 
     @staticmethod
@@ -233,6 +235,13 @@ class Sampler:
             if r.generator is not None:
                 u[i] = _seeded_uniform(r.generator)
         return u
+
+
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """`rows` as an int64 index tensor on `device`. Indexing a device tensor with a Python list
+    makes torch build the index on the host and copy it up blocking (a stream sync on CUDA);
+    this one is uploaded without waiting."""
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _seeded_uniform(generator: torch.Generator) -> torch.Tensor:
@@ -272,7 +281,7 @@ def _gather_logprobs(
     if lp is None:
         return out
     k_max = max(params[i].logprobs or 0 for i in idx)
-    chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()  # [L]
+    chosen = lp.gather(1, tokens[device_index(idx, lp.device)][:, None]).squeeze(1).tolist()
     top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())  # [L, k]
     # Whole tensors come back at once: one copy each, not two per row.
     values, ids = top_v.tolist(), top_i.tolist()

@@ -1,0 +1,167 @@
+"""The engine's CUDA code paths on a CPU-only machine, with fake (shapes-only) CUDA tensors
+(tests/fake_cuda): the `cuda` backend with the decode kernel and Triton splitting mixed steps,
+CUDA graphs captured and replayed, pinned staging, the KV sizing from free device memory, the
+KV fence and pinned transfers of a hand-off. Every step runs under issue 14's rules: no device
+value read on the host besides the sampled ids, no blocking copy, no host tensor in a device
+op, no index built implicitly on the host.
+
+The meta-device tests (test_device.py) run the same steps on the torch backend; these take the
+branches that only a CUDA device takes. The scenarios run in a process of their own, once
+(tests/fake_cuda/scenarios.py); each test reads its part of the report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvrelay.engine.graph_padding import capture_sizes
+from kvrelay.engine.memory_profile import MemoryProfile, kv_cache_budget
+from kvrelay_kernels import cuda_backend
+from tests.fake_cuda import runtime
+from tests.fake_cuda.scenarios import MAX_NUM_SEQS, SAMPLED
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = 6  # max_tokens of every scenario request
+REQUESTS = {"short", "penalised", "long"}
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cuda.is_built(), reason="fake CUDA needs a CPU-only torch (GPU tests cover it)"
+)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("fake-cuda") / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.fake_cuda.scenarios", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    loaded: dict[str, Any] = json.loads(out.read_text())
+    return loaded
+
+
+def result_of(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """A scenario's findings, after checking that it ran to the end within the rules."""
+    part = report[name]
+    assert "error" not in part, part["error"]
+    assert part["violations"] == [], part["violations"]
+    result: dict[str, Any] = part["result"]
+    return result
+
+
+def kernels_of(step: list[list[Any]]) -> set[str]:
+    return {name for name, _ in step}
+
+
+def assert_every_request_finished(result: dict[str, Any], ids: set[str] = REQUESTS) -> None:
+    assert result["aborted"] == []
+    assert result["finished"] == {rid: [SAMPLED] * TOKENS for rid in ids}
+    assert result["pool_whole"]
+
+
+def test_the_rig_catches_each_mistake_a_step_must_not_make(report: dict[str, Any]) -> None:
+    """If the rules did not bite, every other test here would pass for nothing."""
+    caught = report["rules"]["result"]
+    assert caught.pop("allowed_device") == "cuda:0"  # a non-blocking upload is fine
+    # `device[[0, 2]]` copies its index up inside torch, where no fake tensor can be made:
+    # the step fails there, which the tests below would see as a failed request.
+    assert caught.pop("list_index") == "NotImplementedError"
+    assert caught == {
+        "item": "AssertionError",
+        "tolist": "AssertionError",
+        "blocking_upload": "AssertionError",
+        "blocking_download": "AssertionError",
+        "host_operand": "AssertionError",
+        "tensor_on_device": "AssertionError",
+    }
+    assert len(report["rules"]["violations"]) == 6
+
+
+def test_graphed_steps_split_mixed_batches_and_replay_pure_decodes(
+    report: dict[str, Any],
+) -> None:
+    result = result_of(report, "graphs")
+    assert result["backend"] == "cuda" and result["graphs"]
+    assert_every_request_finished(result)
+    counters, log = report["graphs"]["counters"], report["graphs"]["runtime"]
+    # One graph per padded batch size, captured once at start-up under the strict rules.
+    assert log["graph_captures"] == counters["graph_captures"] == len(capture_sizes(MAX_NUM_SEQS))
+    steps = result["steps"]
+    mixed = [s for s in steps if kernels_of(s) >= {"decode", "triton"}]
+    assert mixed, "no step had decode rows beside a prefill chunk"
+    for step in mixed:  # the two short requests decode while the long prompt is chunked
+        assert {rows for name, rows in step if name == "decode"} == {2}
+    # Once the long prompt is in, every step is a pure decode and replays a graph.
+    pure_decodes = len(steps) - len([s for s in steps if s])
+    assert counters["graph_replays"] == log["graph_replays"] == pure_decodes > 0
+    assert counters["eager_steps"] == len(steps) - pure_decodes
+
+
+def test_eager_steps_run_the_decode_kernel_on_every_decode(report: dict[str, Any]) -> None:
+    result = result_of(report, "eager")
+    assert result["backend"] == "cuda" and not result["graphs"]
+    assert_every_request_finished(result)
+    assert report["eager"]["counters"]["graph_captures"] == 0
+    decode_steps = [s for s in result["steps"] if "decode" in kernels_of(s)]
+    assert len(decode_steps) == len(result["steps"]) - 1  # all but the first, the prefill
+    assert all("triton" not in kernels_of(s) for s in result["steps"][-3:])
+
+
+def test_a_head_size_without_a_decode_kernel_runs_on_triton_alone(
+    report: dict[str, Any],
+) -> None:
+    result = result_of(report, "no_decode_kernel")
+    assert result["backend"] == "cuda" and not result["graphs"]  # nothing to capture
+    assert_every_request_finished(result)
+    assert all(kernels_of(s) == {"triton", "write_kv"} for s in result["steps"])
+    assert report["no_decode_kernel"]["counters"]["cuda_decode_calls"] == 0
+
+
+def test_every_step_uploads_through_pinned_staging(report: dict[str, Any]) -> None:
+    result = result_of(report, "graphs")
+    log = report["graphs"]["runtime"]
+    assert result["uploads"] >= len(result["steps"])
+    # The stager records an event after each upload and waits on it before refilling.
+    assert log["events_recorded"] == len(result["steps"])
+    assert log["events_waited"] == len(result["steps"]) - 1
+
+
+def test_the_kv_cache_is_sized_from_free_device_memory(report: dict[str, Any]) -> None:
+    result = result_of(report, "memory_profile")
+    assert result["kv_device"] == "cuda:0"
+    profile = MemoryProfile(
+        total=runtime.TOTAL_MEMORY,
+        used_before=runtime.TOTAL_MEMORY - runtime.FREE_MEMORY,
+        peak_increase=runtime.PEAK_ALLOCATION,
+    )
+    workspace = 4 * cuda_backend.split_workspace_numel(
+        MAX_NUM_SEQS, 4, 64, cuda_backend.max_partitions(1024)
+    )
+    budget = kv_cache_budget(profile, 0.5, reserved=workspace)
+    assert result["num_blocks"] == budget // result["block_bytes"]
+    # 0.5 x 141 GiB - 21 GiB in use - 256 MiB peak: ~49 GiB of bf16 blocks of 16 tokens.
+    assert result["block_bytes"] == 2 * 2 * 16 * 2 * 64 * 2  # layers, K/V, tokens, heads, dim
+    assert 49 * runtime.GIB < result["num_blocks"] * result["block_bytes"] < 50 * runtime.GIB
+
+
+def test_a_handoff_fences_the_prefill_writes_and_moves_blocks_through_pinned_memory(
+    report: dict[str, Any],
+) -> None:
+    result = result_of(report, "handoff")
+    assert result["fence_waits"] == 1  # the handle left only after the KV writes completed
+    assert result["bytes_moved"] == 4 * 16384  # 57 prompt tokens: 4 blocks of 16
+    assert result["pinned_allocations"] > 0
+    decoded = result["decoded"]
+    assert decoded["aborted"] == [] and decoded["finished"] == {"r": [SAMPLED] * TOKENS}
+    assert decoded["pool_whole"] and result["prefill_pool_whole"]

@@ -1,0 +1,165 @@
+"""Stand-ins for the compiled CUDA kernels (kernels/csrc/torch_binding.cpp) and the Triton
+attention kernel: they check what the binding checks, plus what the binding cannot check but
+a kernel would crash on (every tensor on the device: a host pointer handed to a kernel is an
+illegal address), and log each call. They compute nothing: the tensors are fake."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from kvrelay_kernels import cuda_backend, triton_attention
+
+# kernels/csrc/kvrelay_ops.h
+_MAX_GROUP_PER_CTA = 8
+_PARTITION_SIZE = 512
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class KernelLog:
+    """Each launch: (kernel, rows) — rows are sequences for decode, tokens for the others."""
+
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    def count(self, kernel: str) -> int:
+        return sum(1 for name, _ in self.calls if name == kernel)
+
+
+LOG = KernelLog()
+
+
+def _on_device(**tensors: torch.Tensor | None) -> None:
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device.type != "cuda":
+            raise RuntimeError(f"{name} is on {tensor.device}: a kernel reading a host pointer")
+
+
+def _check_cache(kv_cache: torch.Tensor, layer: int) -> None:
+    if kv_cache.dim() != 6 or kv_cache.stride(5) != 1:
+        raise RuntimeError("kv_cache must be [blocks, layers, 2, block_size, heads, dim]")
+    if kv_cache.dtype not in _DTYPES:
+        raise RuntimeError(f"kvrelay CUDA kernels do not support {kv_cache.dtype}")
+    if not 0 <= layer < kv_cache.shape[1]:
+        raise RuntimeError("layer out of range")
+
+
+class FakeCudaKernels:
+    """The `kvrelay_cuda_kernels` module's functions."""
+
+    @staticmethod
+    def paged_decode_attention(
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        scale: float,
+        num_partitions: int,
+        workspace: torch.Tensor | None,
+    ) -> None:
+        _on_device(out=out, query=query, kv_cache=kv_cache, block_tables=block_tables,
+                   seq_lens=seq_lens, workspace=workspace)  # fmt: skip
+        _check_cache(kv_cache, layer)
+        seqs, heads, head_dim = query.shape
+        if query.stride(2) != 1 or not out.is_contiguous() or out.shape != query.shape:
+            raise RuntimeError("query must be [seqs, heads, dim] and out match it")
+        if not query.dtype == out.dtype == kv_cache.dtype:
+            raise RuntimeError("query, out and kv_cache must share a dtype")
+        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+            raise RuntimeError("block_tables and seq_lens must be int32")
+        if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
+            raise RuntimeError("tables: rows contiguous")
+        if block_tables.shape[0] < seqs or seq_lens.shape != (seqs,):
+            raise RuntimeError("one block-table row and one length per sequence")
+        if kv_cache.shape[5] != head_dim or heads % kv_cache.shape[4]:
+            raise RuntimeError("head shapes disagree")
+        if head_dim not in cuda_backend.HEAD_DIMS:
+            raise RuntimeError(f"unsupported head_dim {head_dim}")
+        if not isinstance(max_seq_len, int):
+            raise TypeError("max_seq_len must be a host int (no device read)")
+        parts = num_partitions or FakeCudaKernels.decode_num_partitions(
+            max_seq_len, seqs, kv_cache.shape[4], heads // kv_cache.shape[4], 132
+        )
+        if parts > 1 and parts * _PARTITION_SIZE < max_seq_len:
+            raise RuntimeError(f"num_partitions {parts} cannot cover a context of {max_seq_len}")
+        if parts > 1 and workspace is not None:
+            if workspace.dtype != torch.float32 or not workspace.is_contiguous():
+                raise RuntimeError("workspace must be contiguous fp32")
+            if workspace.numel() < seqs * heads * parts * (head_dim + 2):
+                raise RuntimeError("workspace too small")
+        LOG.calls.append(("decode", seqs))
+
+    @staticmethod
+    def write_kv(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        _on_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
+        _check_cache(kv_cache, layer)
+        if not key.dtype == value.dtype == kv_cache.dtype:
+            raise RuntimeError("key, value and kv_cache must share a dtype")
+        if key.dim() != 3 or key.stride(2) != 1 or value.stride(2) != 1:
+            raise RuntimeError("key and value must be [tokens, kv_heads, dim]")
+        if key.shape != value.shape or key.shape[1:] != kv_cache.shape[4:]:
+            raise RuntimeError("key / value shapes disagree with the cache")
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            raise RuntimeError("slot_mapping must be contiguous int64")
+        if slot_mapping.shape[0] != key.shape[0]:
+            raise RuntimeError("one slot per token")
+        LOG.calls.append(("write_kv", key.shape[0]))
+
+    @staticmethod
+    def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        _on_device(kv_cache=kv_cache, src=src, dst=dst)
+        if src.dtype != torch.int64 or dst.dtype != torch.int64 or src.shape != dst.shape:
+            raise RuntimeError("src and dst must be contiguous int64 of one length")
+        if not kv_cache[0].is_contiguous():
+            raise RuntimeError("copy_blocks needs each block contiguous")
+        LOG.calls.append(("copy_blocks", src.shape[0]))
+
+    @staticmethod
+    def decode_num_partitions(
+        max_seq_len: int, num_seqs: int, num_kv_heads: int, group: int, num_sms: int
+    ) -> int:
+        parts = -(-max_seq_len // _PARTITION_SIZE)
+        if parts <= 1:
+            return 1
+        ctas = num_seqs * num_kv_heads * -(-group // _MAX_GROUP_PER_CTA)
+        return parts if ctas < 2 * num_sms or max_seq_len > 8192 else 1
+
+
+def fake_triton_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    plan: Any = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`triton_attention.paged_attention`: the varlen kernel over prefill (and decode) rows."""
+    _on_device(query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
+               query_start_loc=query_start_loc, out=out)  # fmt: skip
+    _check_cache(kv_cache, layer)
+    if query_start_loc.shape != (seq_lens.shape[0] + 1,):
+        raise RuntimeError("one query start per sequence, plus the end")
+    LOG.calls.append(("triton", query.shape[0]))
+    return out if out is not None else torch.empty_like(query)
+
+
+def install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route cuda_backend's compiled module and the Triton kernel to the stand-ins."""
+    monkeypatch.setitem(cuda_backend._state, "module", FakeCudaKernels)
+    monkeypatch.setattr(triton_attention, "paged_attention", fake_triton_attention)
