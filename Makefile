@@ -43,9 +43,11 @@ prometheus:
 # Compile every CUDA kernel with nvcc for sm_80 and sm_90 (no GPU needed); fails on any error
 # or register spill and prints the registers / shared memory table. Without nvcc on the PATH it
 # pip-installs NVIDIA's CUDA 13.0 compiler wheels once into ~/.cache/kvrelay/cuda-toolchain
-# ($$KVRELAY_CUDA_TOOLCHAIN to move it) and compiles with those.
+# ($$KVRELAY_CUDA_TOOLCHAIN to move it) and compiles with those. Then the torch binding is
+# compiled (syntax and types) against this torch's headers, so API drift shows before a GPU.
 kernels-check: | $(PY)
 	$(PY) kernels/csrc/check_kernels.py --jobs 2
+	$(PY) kernels/csrc/check_binding.py
 
 test: lint typecheck kernels-check pytest
 

@@ -24,11 +24,11 @@ from kvrelay.engine.graph_padding import capture_sizes
 from kvrelay.engine.memory_profile import MemoryProfile, kv_cache_budget
 from kvrelay_kernels import cuda_backend
 from tests.fake_cuda import runtime
-from tests.fake_cuda.scenarios import MAX_NUM_SEQS, SAMPLED
+from tests.fake_cuda.scenarios import MAX_NUM_SEQS, PREEMPTION_TOKENS, SAMPLED
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 6  # max_tokens of every scenario request
-REQUESTS = {"short", "penalised", "long"}
+REQUESTS = {"short", "penalised", "long", "pair"}
 
 pytestmark = pytest.mark.skipif(
     torch.backends.cuda.is_built(), reason="fake CUDA needs a CPU-only torch (GPU tests cover it)"
@@ -102,10 +102,12 @@ def test_graphed_steps_split_mixed_batches_and_replay_pure_decodes(
     assert mixed, "no step had decode rows beside a prefill chunk"
     for step in mixed:  # the two short requests decode while the long prompt is chunked
         assert {rows for name, rows in step if name == "decode"} == {2}
-    # Once the long prompt is in, every step is a pure decode and replays a graph.
-    pure_decodes = len(steps) - len([s for s in steps if s])
-    assert counters["graph_replays"] == log["graph_replays"] == pure_decodes > 0
-    assert counters["eager_steps"] == len(steps) - pure_decodes
+    # Once the long prompt is in, every step is a pure decode and replays a graph; the first
+    # copies the pair's shared block (copy-on-write) eagerly, then replays.
+    replayed = [s for s in steps if not s or kernels_of(s) == {"copy_blocks"}]
+    assert [name for s in replayed for name, _ in s] == ["copy_blocks"]
+    assert counters["graph_replays"] == log["graph_replays"] == len(replayed) > 0
+    assert counters["eager_steps"] == len(steps) - len(replayed)
 
 
 def test_eager_steps_run_the_decode_kernel_on_every_decode(report: dict[str, Any]) -> None:
@@ -116,6 +118,8 @@ def test_eager_steps_run_the_decode_kernel_on_every_decode(report: dict[str, Any
     decode_steps = [s for s in result["steps"] if "decode" in kernels_of(s)]
     assert len(decode_steps) == len(result["steps"]) - 1  # all but the first, the prefill
     assert all("triton" not in kernels_of(s) for s in result["steps"][-3:])
+    copies = [s for s in result["steps"] if "copy_blocks" in kernels_of(s)]
+    assert len(copies) == 1 and copies[0][0] == ["copy_blocks", 1]  # before the forward pass
 
 
 def test_a_head_size_without_a_decode_kernel_runs_on_triton_alone(
@@ -124,8 +128,17 @@ def test_a_head_size_without_a_decode_kernel_runs_on_triton_alone(
     result = result_of(report, "no_decode_kernel")
     assert result["backend"] == "cuda" and not result["graphs"]  # nothing to capture
     assert_every_request_finished(result)
-    assert all(kernels_of(s) == {"triton", "write_kv"} for s in result["steps"])
+    assert all(kernels_of(s) - {"copy_blocks"} == {"triton", "write_kv"} for s in result["steps"])
     assert report["no_decode_kernel"]["counters"]["cuda_decode_calls"] == 0
+
+
+def test_preempted_requests_recompute_on_the_device_and_finish(report: dict[str, Any]) -> None:
+    result = result_of(report, "preemption")
+    assert result["preemptions"] > 0
+    assert result["aborted"] == [] and result["pool_whole"]
+    ids = {"long", "s0", "s1", "s2", "s3"}
+    assert result["finished"] == {rid: [SAMPLED] * PREEMPTION_TOKENS for rid in ids}
+    assert report["preemption"]["counters"]["graph_replays"] > 0
 
 
 def test_every_step_uploads_through_pinned_staging(report: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from tests.fake_cuda.mode import FakeCudaMode
 
 SAMPLED = 7
 MAX_NUM_SEQS = 8
+PREEMPTION_TOKENS = 40
 
 
 def write_model(folder: Path, head_dim: int) -> Path:
@@ -94,17 +95,20 @@ def fake_sampling(engine: Engine) -> None:
 
 
 def add_mixed_requests(engine: Engine) -> None:
-    """Greedy, random with every truncation, penalties with logprobs; one prompt long enough
-    to be prefilled in chunks while the others decode (mixed steps)."""
+    """Greedy, random with every truncation, penalties with logprobs, two samples of one
+    prompt; one prompt long enough to be prefilled in chunks while the others decode."""
     engine.add_request("short", [4, 5, 6], _params(temperature=0.8, top_p=0.9, top_k=5, seed=1))
     engine.add_request(
         "penalised", [9] * 6, _params(repetition_penalty=1.3, presence_penalty=0.5, logprobs=2)
     )
     engine.add_request("long", list(range(3, 203)), _params(temperature=0.0))
+    # Two samples of one prompt share its partial last block: the first token each writes
+    # there copies the block first (copy-on-write).
+    engine.add_request("pair", [5] * 10, _params(n=2, temperature=0.9))
 
 
 def _params(**kwargs: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=6, min_tokens=2, **kwargs)
+    return SamplingParams(**{"max_tokens": 6, "min_tokens": 2, **kwargs})
 
 
 def run_steps(engine: Engine, mode: FakeCudaMode) -> dict[str, Any]:
@@ -139,6 +143,20 @@ def scenario_engine(model: Path, mode: FakeCudaMode, **overrides: Any) -> dict[s
     result = run_steps(engine, mode)
     result["backend"] = engine.runner.model.backend.name
     result["graphs"] = engine.runner.graphs is not None
+    return result
+
+
+def scenario_preemption(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
+    """15 blocks of 16 tokens for five requests that need 20 by their ends: running requests
+    are preempted and recomputed, their rows of the device block table rewritten."""
+    engine = make_engine(model, kv_cache_memory=None, num_blocks=15)
+    fake_sampling(engine)
+    long_params = _params(temperature=0.0, max_tokens=PREEMPTION_TOKENS)
+    engine.add_request("long", list(range(3, 153)), long_params)
+    for i in range(4):
+        engine.add_request(f"s{i}", [4 + i] * 14, long_params)
+    result = run_steps(engine, mode)
+    result["preemptions"] = engine.scheduler.num_preemptions
     return result
 
 
@@ -237,6 +255,7 @@ def main(out: Path) -> None:
         "rules": lambda: scenario_rules(hd64, mode),
         "graphs": lambda: scenario_engine(hd64, mode),
         "eager": lambda: scenario_engine(hd64, mode, enforce_eager=True),
+        "preemption": lambda: scenario_preemption(hd64, mode),
         "no_decode_kernel": lambda: scenario_engine(hd32, mode),
         "memory_profile": lambda: scenario_memory_profile(hd64, mode),
         "handoff": lambda: scenario_handoff(hd64, mode),

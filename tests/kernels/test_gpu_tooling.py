@@ -1,9 +1,10 @@
-"""`make kernels-check`'s parser, exercised on the CPU so it cannot rot between lent GPUs (the
-GPU check's own parts are tested in tests/benchmarks/test_gpu_check.py)."""
+"""`make kernels-check`'s parser and binding check, exercised on the CPU so they cannot rot
+between lent GPUs (the GPU check's own parts are tested in tests/benchmarks/test_gpu_check.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,33 @@ def test_kernels_check_parses_ptxas_and_flags_spills(
     _, kernels, error = check.compile_one(tmp_path / "x.cu", "sm_90", tmp_path)
     assert error == ""
     assert [(k.registers, k.smem, k.spill) for k in kernels] == [(255, 41568, 12), (32, 0, 0)]
+
+
+def test_binding_check_stands_in_only_for_headers_the_cuda_folder_lacks(tmp_path: Path) -> None:
+    check = _load(ROOT / "kernels" / "csrc" / "check_binding.py")
+    cuda = tmp_path / "cuda"
+    (cuda / "c10" / "cuda" / "impl").mkdir(parents=True)
+    (cuda / "cublas_v2.h").write_text("// the real one\n")
+    stubs = tmp_path / "stubs"
+    written = check.write_stubs(stubs, cuda)
+    assert "cublas_v2.h" not in written and not (stubs / "cublas_v2.h").exists()
+    assert {"cusparse.h", "c10/cuda/impl/cuda_cmake_macros.h"} <= set(written)
+    assert "typedef int cusparseStatus_t;" in (stubs / "cusparse.h").read_text()
+    command = check.compile_command(cuda, stubs)
+    # The stand-ins are searched after every real folder, so a real header always wins.
+    assert command[-2] == f"-idirafter{stubs}" and f"-I{cuda}" in command
+    assert "-fsyntax-only" in command and check.STANDARD in command
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc's CUDA headers")
+def test_binding_check_fails_on_a_binding_torch_would_not_build(tmp_path: Path) -> None:
+    """`make kernels-check` compiles the real binding; this proves that check can fail."""
+    check = _load(ROOT / "kernels" / "csrc" / "check_binding.py")
+    broken = tmp_path / "torch_binding.cpp"
+    text = check.BINDING.read_text()
+    assert "c10::cuda::CUDAGuard guard" in text
+    broken.write_text(text.replace("c10::cuda::CUDAGuard guard", "c10::cuda::NoSuchGuard guard"))
+    include = check.cuda_include_of(Path(shutil.which("nvcc") or "nvcc"))
+    assert (include / "cuda_runtime_api.h").is_file()
+    passed, output = check.check_binding(include, source=broken)
+    assert not passed and "NoSuchGuard" in output
