@@ -7,6 +7,7 @@ colocated engine's."""
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -93,6 +94,24 @@ def staging_transport(prefill: Any, decode: Any) -> Iterator[Pull]:
 
 
 OPENERS = {"grpc": grpc_transport, "nixl": nixl_transport, "staging": staging_transport}
+# The modules each transport imports. The generated gRPC code (kvrelay/v1) checks the installed
+# grpcio and protobuf at import: on a machine with older ones it raises a RuntimeError or
+# protobuf's VersionError, not an ImportError; either way the transport cannot run there.
+MODULES = {
+    "grpc": ("kvrelay.transfer.grpc_connector",),
+    "nixl": ("kvrelay.transfer.nixl_connector",),
+    "staging": ("kvrelay.transfer.kv_regions",),
+}
+
+
+def import_problem(name: str) -> str | None:
+    """Why transport `name` cannot be imported on this machine, or None when it can."""
+    for module in MODULES[name]:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # absent, or older than the generated code needs
+            return last_line(exc)
+    return None
 
 
 def relay(
@@ -133,6 +152,9 @@ def transport_rows(
     expected: list[list[int]],
     max_tokens: int,
 ) -> list[Row]:
+    problem = import_problem(name)
+    if problem is not None:
+        return [Row(PART, f"{name}: tokens unchanged", SKIP, note=f"n/a: {problem}")]
     try:
         with OPENERS[name](*engines) as pull:
             # Connections and first copies; reversed, so no prefix cache serves the real run.

@@ -392,3 +392,25 @@ def test_a_decode_shape_is_timed_on_the_cpu(gpu_parts: dict[str, ModuleType]) ->
     result = bench.bench_shape(shape, torch.float32, "cpu", ["sdpa"], None)
     assert set(result.us) == {"sdpa"} and result.us["sdpa"] > 0 and not result.errors
     assert "smollm2" in bench.format_table([result], 10.0, 4)
+
+
+def test_a_grpc_older_than_the_generated_code_makes_that_transport_n_a() -> None:
+    """The GPU machine's image has its own grpcio and protobuf: when they are older than the
+    generated code (kvrelay/v1) needs, its import raises a RuntimeError (grpc) or VersionError
+    (protobuf), and the transfer part must say n/a for gRPC rather than fail the check."""
+    probe = textwrap.dedent(f"""
+        import sys
+        import grpc
+        grpc.__version__ = "1.60.0"  # what the generated code's own check reads
+        sys.path.insert(0, {str(BENCH)!r})
+        from gpu_parts.transfer_part import import_problem
+        print(import_problem("grpc"))
+        print(import_problem("staging"))
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    grpc_problem, staging_problem = proc.stdout.strip().splitlines()[-2:]
+    assert "1.60.0" in grpc_problem and "grpcio>=" in grpc_problem
+    assert staging_problem == "None"
