@@ -44,10 +44,12 @@ prometheus:
 # or register spill and prints the registers / shared memory table. Without nvcc on the PATH it
 # pip-installs NVIDIA's CUDA 13.0 compiler wheels once into ~/.cache/kvrelay/cuda-toolchain
 # ($$KVRELAY_CUDA_TOOLCHAIN to move it) and compiles with those. Then the torch binding is
-# compiled (syntax and types) against this torch's headers, so API drift shows before a GPU.
+# compiled (syntax and types) against this torch's headers, and every Triton kernel is compiled
+# ahead of time for sm_80 / sm_90 at the engine's constants, so API drift shows before a GPU.
 kernels-check: | $(PY)
 	$(PY) kernels/csrc/check_kernels.py --jobs 2
 	$(PY) kernels/csrc/check_binding.py
+	$(PY) kernels/csrc/check_triton.py
 
 test: lint typecheck kernels-check pytest
 

@@ -189,7 +189,10 @@ def paged_attention(
         raise ValueError("kv_cache's head_dim must be contiguous")
     # Without a plan nothing says whether the batch is decode only; size tiles for prefill.
     all_decode = plan is not None and not plan.prefills
-    constants = _kernel_constants(query, kv_cache, all_decode)
+    constants = kernel_constants(
+        query.shape[1], kv_cache.shape[4], query.shape[2], kv_cache.shape[3],
+        kv_cache.dtype, all_decode, compiled=query.is_cuda,
+    )  # fmt: skip
     block_q, num_seqs = int(constants["BLOCK_Q"]), seq_lens.shape[0]
     # sum(ceil(q_len / block_q)) <= num_tokens // block_q + num_seqs: a host-side bound, so
     # the launch needs no device -> host copy.
@@ -215,17 +218,26 @@ def paged_attention(
         block_tables.stride(0),
         scale * _LOG2E,
         **constants,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     return out
 
 
-def _kernel_constants(
-    query: torch.Tensor, kv_cache: torch.Tensor, all_decode: bool
+NUM_WARPS = 4
+
+
+def kernel_constants(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    all_decode: bool,
+    *,
+    compiled: bool,
 ) -> dict[str, int | bool]:
-    """The kernel's constexpr arguments (its tile shape) for this batch."""
-    _, num_heads, head_dim = query.shape
-    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    """The kernel's constexpr arguments (its tile shape) for a batch of this shape;
+    `compiled`: for a GPU (False: the CPU interpreter)."""
     group = num_heads // num_kv_heads
     group_p = _pow2_at_least(group)
     head_dim_p = _pow2_at_least(head_dim, 16)
@@ -240,7 +252,7 @@ def _kernel_constants(
         "BLOCK_SIZE": block_size,
         # triton 3.9's interpreter computes bf16 / fp16 tl.dot wrongly (garbage): it does
         # those dots in fp32, on the same 16-bit inputs.
-        "DOT_F32": kv_cache.dtype == torch.float32 or not query.is_cuda,
+        "DOT_F32": dtype == torch.float32 or not compiled,
     }
 
 

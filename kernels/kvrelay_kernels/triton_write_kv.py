@@ -80,10 +80,20 @@ def write_kv(
         kv_cache.stride(2),
         kv_cache.stride(3),
         kv_cache.stride(4),
-        NUM_KV_HEADS=num_kv_heads,
-        HEADS_P=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[3],
-        num_warps=1,
+        **kernel_constants(num_kv_heads, head_dim, kv_cache.shape[3]),
+        num_warps=NUM_WARPS,
     )
+
+
+NUM_WARPS = 1  # one token per program: a [heads, head_dim] tile is a few hundred elements
+
+
+def kernel_constants(num_kv_heads: int, head_dim: int, block_size: int) -> dict[str, int]:
+    """The kernel's constexpr arguments for this cache shape."""
+    return {
+        "NUM_KV_HEADS": num_kv_heads,
+        "HEADS_P": triton.next_power_of_2(num_kv_heads),
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_P": triton.next_power_of_2(head_dim),
+        "BLOCK_SIZE": block_size,
+    }

@@ -4,6 +4,7 @@ between lent GPUs (the GPU check's own parts are tested in tests/benchmarks/test
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,54 @@ def test_binding_check_fails_on_a_binding_torch_would_not_build(tmp_path: Path) 
     assert (include / "cuda_runtime_api.h").is_file()
     passed, output = check.check_binding(include, source=broken)
     assert not passed and "NoSuchGuard" in output
+
+
+def _compiling(script: list[str]) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh Python without TRITON_INTERPRET: this session's interpreter tests
+    set it, and an interpreted kernel cannot be compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, *script], capture_output=True, text=True, check=False, env=env, cwd=ROOT
+    )
+
+
+def test_triton_kernels_compile_for_a_gpu_at_the_engines_constants() -> None:
+    """No GPU: Triton compiles to a cubin with its own ptxas (its interpreter never does)."""
+    done = _compiling(
+        [str(ROOT / "kernels" / "csrc" / "check_triton.py"), "--arch", "90", "--quick"]
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if " sm_90 " in line]
+    assert {row[0] for row in rows} == {"paged_attention", "write_kv"}
+    for row in rows:  # kernel, config..., arch, regs, smem, spill, seconds
+        registers, spill = int(row[-4]), int(row[-2])
+        assert 0 < registers <= 255 and spill == 0
+    assert "2 compiled; 0 errors; 0 spilling" in done.stdout
+
+
+BROKEN_KERNEL = """
+import sys
+import triton
+import triton.language as tl
+
+sys.path.insert(0, {csrc!r})
+import check_triton as check
+
+
+@triton.jit
+def kernel(x_ptr):
+    tl.store(x_ptr, tl.no_such_function(1.0))
+
+
+signature = check.signature(kernel, {{"x_ptr": "*fp32"}}, set(), {{}})
+case = check.Case("broken", "fp32", 90, kernel, signature, {{}}, 1)
+print(check.compile_case(case).error)
+"""
+
+
+def test_triton_check_reports_a_kernel_that_does_not_compile(tmp_path: Path) -> None:
+    script = tmp_path / "broken_kernel.py"  # triton.jit reads the kernel's source file
+    script.write_text(BROKEN_KERNEL.format(csrc=str(ROOT / "kernels" / "csrc")))
+    done = _compiling([str(script)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no_such_function" in done.stdout
