@@ -24,7 +24,7 @@ from kvrelay.engine.graph_padding import capture_sizes
 from kvrelay.engine.memory_profile import MemoryProfile, kv_cache_budget
 from kvrelay_kernels import cuda_backend
 from tests.fake_cuda import runtime
-from tests.fake_cuda.scenarios import MAX_NUM_SEQS, PREEMPTION_TOKENS, SAMPLED
+from tests.fake_cuda.scenarios import BATCH_TOKENS, MAX_NUM_SEQS, PREEMPTION_TOKENS, SAMPLED
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 6  # max_tokens of every scenario request
@@ -139,6 +139,31 @@ def test_preempted_requests_recompute_on_the_device_and_finish(report: dict[str,
     ids = {"long", "s0", "s1", "s2", "s3"}
     assert result["finished"] == {rid: [SAMPLED] * PREEMPTION_TOKENS for rid in ids}
     assert report["preemption"]["counters"]["graph_replays"] > 0
+
+
+def test_the_gpu_checks_256_concurrent_requests_replay_graphs_up_to_256_rows(
+    report: dict[str, Any],
+) -> None:
+    result = result_of(report, "gpu_check_batch")
+    assert result["aborted"] == [] and result["pool_whole"]
+    assert result["finished"] == {f"r{i}": [SAMPLED] * BATCH_TOKENS for i in range(256)}
+    assert result["graph_sizes"] == capture_sizes(256) and capture_sizes(256)[-1] == 256
+    counters = report["gpu_check_batch"]["counters"]
+    assert counters["graph_captures"] == len(capture_sizes(256)) and counters["graph_replays"] > 0
+    assert result["max_decode_rows"] > 128  # mixed steps' decode rows, beside prefill chunks
+
+
+def test_long_contexts_split_k_within_the_graphs_workspace(report: dict[str, Any]) -> None:
+    """Contexts up to 4160 tokens: each graph fixes its split-K count for the longest context
+    (9 partitions of 512) and shares one workspace; the stand-in kernel checks that both
+    cover every launch. (Eager decodes let the kernel choose: see the other scenarios.)"""
+    result = result_of(report, "long_context")
+    assert result["aborted"] == [] and result["pool_whole"]
+    assert set(result["finished"]) == {"long", "short"}
+    assert report["long_context"]["counters"]["graph_replays"] > 0
+    parts = cuda_backend.max_partitions(4160)
+    assert parts == 9 and report["long_context"]["decode_splits"] == [[parts, True]]
+    assert [1, False] in report["eager"]["decode_splits"]  # short contexts, no workspace
 
 
 def test_every_step_uploads_through_pinned_staging(report: dict[str, Any]) -> None:

@@ -24,6 +24,8 @@ class KernelLog:
     """Each launch: (kernel, rows) — rows are sequences for decode, tokens for the others."""
 
     calls: list[tuple[str, int]] = field(default_factory=list)
+    # Each decode launch: (split-K partitions, whether it was given the shared workspace).
+    decode_splits: list[tuple[int, bool]] = field(default_factory=list)
 
     def count(self, kernel: str) -> int:
         return sum(1 for name, _ in self.calls if name == kernel)
@@ -94,6 +96,7 @@ class FakeCudaKernels:
             if workspace.numel() < seqs * heads * parts * (head_dim + 2):
                 raise RuntimeError("workspace too small")
         LOG.calls.append(("decode", seqs))
+        LOG.decode_splits.append((parts, workspace is not None))
 
     @staticmethod
     def write_kv(

@@ -32,17 +32,19 @@ from tests.fake_cuda.mode import FakeCudaMode
 SAMPLED = 7
 MAX_NUM_SEQS = 8
 PREEMPTION_TOKENS = 40
+BATCH_TOKENS = 4
 
 
-def write_model(folder: Path, head_dim: int) -> Path:
-    """A 2-layer GQA Llama with 4 query heads of `head_dim` (random weights)."""
+def write_model(folder: Path, head_dim: int, **shape: Any) -> Path:
+    """A 2-layer GQA Llama, by default 4 query heads of `head_dim` (random weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=4 * head_dim, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        max_position_embeddings=2048, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = LlamaConfig(**{
+        "vocab_size": 512, "hidden_size": 4 * head_dim, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": head_dim, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        **shape,
+    })  # fmt: skip
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
@@ -160,6 +162,34 @@ def scenario_preemption(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
     return result
 
 
+def scenario_gpu_check_batch(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
+    """The GPU check's throughput run at its size: 256 concurrent requests of 64 tokens on an
+    engine of max_num_seqs 256 (graphs of up to 256 rows) and 2048 batched tokens."""
+    engine = make_engine(
+        model, max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_memory="1GiB"
+    )
+    fake_sampling(engine)
+    params = _params(temperature=0.0, max_tokens=BATCH_TOKENS, min_tokens=0)
+    for i in range(256):
+        engine.add_request(f"r{i}", [3 + i % 100] * 64, params)
+    result = run_steps(engine, mode)
+    result["graph_sizes"] = engine.runner.graphs.sizes if engine.runner.graphs else []
+    result["max_decode_rows"] = max(
+        (rows for step in result["steps"] for name, rows in step if name == "decode"), default=0
+    )
+    return result
+
+
+def scenario_long_context(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
+    """The GPU check's transfer engines' context (4160): graphs with a fixed split-K count
+    over a shared workspace, and eager decodes that choose their own."""
+    engine = make_engine(model, max_model_len=4160, max_num_batched_tokens=2048)
+    fake_sampling(engine)
+    engine.add_request("long", list(range(3, 4003)), _params(temperature=0.0))
+    engine.add_request("short", [5] * 20, _params(temperature=0.0))
+    return run_steps(engine, mode)
+
+
 def scenario_memory_profile(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
     """No KV size given: sized from the device's free memory after a profiling step."""
     engine = make_engine(model, kv_cache_memory=None, gpu_memory_utilization=0.5)
@@ -251,6 +281,11 @@ def main(out: Path) -> None:
     folder = out.parent
     hd64 = write_model(folder / "llama-hd64", 64)
     hd32 = write_model(folder / "llama-hd32", 32)
+    # The GPU check's default-model shape (9 heads of 64 over 3 KV heads), 2 layers.
+    smollm2 = write_model(
+        folder / "smollm2-shape", 64, hidden_size=576, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+    )  # fmt: skip
     scenarios: dict[str, Callable[[], Any]] = {
         "rules": lambda: scenario_rules(hd64, mode),
         "graphs": lambda: scenario_engine(hd64, mode),
@@ -258,12 +293,15 @@ def main(out: Path) -> None:
         "preemption": lambda: scenario_preemption(hd64, mode),
         "no_decode_kernel": lambda: scenario_engine(hd32, mode),
         "memory_profile": lambda: scenario_memory_profile(hd64, mode),
+        "gpu_check_batch": lambda: scenario_gpu_check_batch(smollm2, mode),
+        "long_context": lambda: scenario_long_context(smollm2, mode),
         "handoff": lambda: scenario_handoff(hd64, mode),
     }
     results: dict[str, Any] = {}
     with mode:
         for name, run in scenarios.items():
             kernels.LOG.calls.clear()
+            kernels.LOG.decode_splits.clear()
             runtime.LOG.__init__()  # type: ignore[misc]
             mode.violations.clear()
             counters_before = asdict(COUNTERS)
@@ -276,6 +314,7 @@ def main(out: Path) -> None:
                 k: v - counters_before[k] for k, v in asdict(COUNTERS).items()
             }
             results[name]["runtime"] = asdict(runtime.LOG)
+            results[name]["decode_splits"] = sorted(set(kernels.LOG.decode_splits))
     out.write_text(json.dumps(results, indent=1))
 
 
