@@ -189,7 +189,37 @@ def test_vllm_extra_fields(client: openai.OpenAI, kvrelay_server: ServerProcess)
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_logit_bias_forces_and_bans_tokens(
+    client: openai.OpenAI, offline: LLM, kvrelay_server: ServerProcess
+) -> None:
+    """OpenAI's logit_bias (token ids as string keys), through the real client: +100 makes
+    greedy repeat one token; -100 on every token greedy chose keeps each of them out, and
+    the server's text is the offline engine's under the same bias."""
+    tokenizer = offline.get_tokenizer()
+    token = tokenizer(" blue", add_special_tokens=False)["input_ids"][0]
+    forced = client.completions.create(
+        model=kvrelay_server.model, prompt="Colours:", max_tokens=5, temperature=0,
+        logit_bias={str(token): 100},
+    )  # fmt: skip
+    assert forced.choices[0].text == tokenizer.decode([token] * 5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    chosen = offline.generate(["Colours:"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    bias = {t: -100.0 for t in chosen}
+    biased = SamplingParams(temperature=0.0, max_tokens=6, logit_bias=bias)
+    expected = offline.generate(["Colours:"], biased, use_tqdm=False)[0].outputs[0]
+    assert set(expected.token_ids).isdisjoint(chosen)
+    banned = client.completions.create(
+        model=kvrelay_server.model, prompt="Colours:", max_tokens=6, temperature=0,
+        logit_bias={str(t): -100 for t in chosen},
+    )  # fmt: skip
+    assert banned.choices[0].text == expected.text
+
+
 BAD_REQUESTS = [
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"temperature": -1}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"top_p": 1.5}, "top_p"),

@@ -49,6 +49,7 @@ def test_sampling_values_reach_the_wire() -> None:
             "ignore_eos": True,
             "logprobs": 0,
             "presence_penalty": None,
+            "logit_bias": {7: -100, 2**32 - 1: 2.5},
         }
     )
     assert opts.n == 2 and opts.HasField("temperature") and opts.temperature == 0.0
@@ -57,6 +58,7 @@ def test_sampling_values_reach_the_wire() -> None:
         opts.max_tokens == 7 and list(opts.stop) == ["\n"] and list(opts.stop_token_ids) == [2, 3]
     )
     assert opts.ignore_eos and opts.HasField("logprobs") and opts.logprobs == 0
+    assert dict(opts.logit_bias) == {7: -100.0, 2**32 - 1: 2.5}
     # None and omitted both leave the field unset, so the server's default applies.
     assert not opts.HasField("presence_penalty") and not opts.HasField("min_p")
 
@@ -72,6 +74,9 @@ def test_sampling_values_reach_the_wire() -> None:
         ("seed", 2**64),
         ("ignore_eos", 1),
         ("stop", [1]),
+        ("logit_bias", [(1, 2.0)]),
+        ("logit_bias", {-1: 2.0}),
+        ("logit_bias", {1: "x"}),
     ],
 )
 def test_values_the_wire_cannot_carry_name_the_field(name: str, value: object) -> None:

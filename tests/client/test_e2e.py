@@ -118,10 +118,21 @@ def test_explicit_model_and_unknown_model(client: Client, kvrelay_server: Any) -
         client.generate(PROMPT, model="no-such-model", max_tokens=2)
 
 
+def test_logit_bias_over_grpc(client: Client) -> None:
+    """The same bias as the HTTP API: +100 makes greedy repeat the token; an id past the
+    vocabulary is refused naming the field (sampling.logit_bias)."""
+    result = client.generate(PROMPT, temperature=0.0, max_tokens=4, logit_bias={504: 100.0})
+    assert result.choices[0].token_ids == (504, 504, 504, 504)
+    with pytest.raises(InvalidArgumentError) as info:
+        client.generate(PROMPT, max_tokens=2, logit_bias={10**9: 1.0})
+    assert "sampling.logit_bias" in info.value.details and "[0, " in info.value.details
+
+
 @pytest.mark.parametrize(
-    ("name", "value"), [("temperature", -1.0), ("top_p", 1.5), ("max_tokens", 0)]
+    ("name", "value"),
+    [("temperature", -1.0), ("top_p", 1.5), ("max_tokens", 0), ("logit_bias", {3: 500.0})],
 )
-def test_bad_params_name_the_field(client: Client, name: str, value: float) -> None:
+def test_bad_params_name_the_field(client: Client, name: str, value: object) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         client.generate(PROMPT, **{name: value})
     assert name in info.value.details

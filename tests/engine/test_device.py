@@ -223,7 +223,11 @@ def test_engine_steps_on_meta_never_touch_the_host(
         "b", [4, 5, 6], SamplingParams(temperature=0.8, top_p=0.9, top_k=5, max_tokens=4, seed=1)
     )
     meta_engine.add_request(
-        "c", [9] * 6, SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, max_tokens=4)
+        "c",
+        [9] * 6,
+        SamplingParams(
+            repetition_penalty=1.3, presence_penalty=0.5, max_tokens=4, logit_bias={5: 2.0}
+        ),
     )
     mode = OnDeviceOnly()
     with mode:

@@ -177,3 +177,27 @@ def test_n_samples_follow_the_one_fan_out_rule(make_engine: EngineFactory) -> No
     done = run_to_completion(engine)
     assert done["group"] == [done["top"][0], done["zero"][0]]
     assert_pool_whole(engine)
+
+
+def test_logit_bias_steers_its_request_alone(make_engine: EngineFactory) -> None:
+    """A +100 bias makes greedy pick that token every step; the batch's other requests give
+    exactly the tokens they give alone. A bias id outside the vocabulary is refused."""
+    batch = prompts(3, seed=4)
+    alone = make_engine()
+    for i, prompt in enumerate(batch):
+        alone.add_request(f"r{i}", prompt, greedy(6))
+    expected = run_to_completion(alone)
+    engine = make_engine()
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, greedy(6))
+    forced = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={17: 100.0})
+    engine.add_request("forced", batch[0], forced)
+    banned = {t: -100.0 for t in expected["r0"][0]}  # every token r0 chose, banned
+    engine.add_request("banned", batch[0], SamplingParams.greedy(max_tokens=6, logit_bias=banned))
+    with pytest.raises(ValueError, match=rf"logit_bias token ids must be in \[0, {TINY_VOCAB}\)"):
+        engine.add_request("bad", [3], SamplingParams(logit_bias={TINY_VOCAB: 1.0}))
+    done = run_to_completion(engine)
+    assert done["forced"] == [[17] * 6]
+    assert set(done["banned"][0]).isdisjoint(banned)
+    assert {rid: done[rid] for rid in expected} == expected
+    assert_pool_whole(engine)

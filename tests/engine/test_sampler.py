@@ -301,6 +301,49 @@ def test_min_tokens_masks_eos_and_stop_ids(ignore_eos: bool) -> None:
     assert not {2, 3} & set(out.token_ids)
 
 
+# --- logit_bias ------------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_the_greedy_choice_and_bans_tokens() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
+    sampler = Sampler()
+    assert sampler(logits, [row(SamplingParams.greedy(logit_bias={3: 4.5}))]).token_ids == [3]
+    assert sampler(logits, [row(SamplingParams.greedy(logit_bias={1: -0.2}))]).token_ids == [2]
+    # -100 bans a token in practice, even when sampling hot: it never comes out.
+    hot = SamplingParams(temperature=2.0, logit_bias={1: -100, 2: -100})
+    out = Sampler(torch.Generator().manual_seed(0))(
+        logits.expand(400, -1).clone(), [row(hot)] * 400
+    )
+    assert {1, 2}.isdisjoint(out.token_ids) and {0, 3} <= set(out.token_ids)
+
+
+def test_logit_bias_applies_to_its_own_row_before_the_penalties() -> None:
+    """vLLM's order: bias, then penalties (a biased token's logit is what the penalty sees)."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, 0.0], [1.0, 2.0, 0.5, 0.0]])
+    biased = SamplingParams.greedy(logit_bias=[(2, 1.8)], repetition_penalty=2.0)
+    plain = SamplingParams.greedy()
+    # Row 0: token 2 -> 2.3, then the penalty over prompt token 2 -> 1.15 < 2.0: token 1 wins.
+    # Without the penalty it would be token 2; row 1 (no bias) is untouched: token 1.
+    out = Sampler()(logits, [row(biased, prompt=[2]), row(plain)])
+    assert out.token_ids == [1, 1]
+    no_penalty = SamplingParams.greedy(logit_bias=[(2, 1.8)])
+    assert Sampler()(logits, [row(no_penalty, prompt=[2]), row(plain)]).token_ids == [2, 1]
+
+
+def test_logit_bias_ids_outside_the_vocabulary_change_nothing() -> None:
+    """The engine refuses them; the sampler still never indexes past its logits."""
+    logits = torch.tensor([[0.0, 3.0, 2.9]])
+    out = Sampler()(
+        logits,
+        [row(SamplingParams.greedy(logit_bias={1: -5.0, 3: 100.0, 2**63 - 1: 100.0}, logprobs=1))],
+    )
+    assert out.token_ids == [2]
+    lp = out.logprobs[0]  # logprobs stay the raw model's, as vLLM returns them
+    assert lp is not None
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert lp.token_logprob == pytest.approx(float(raw[0, 2]), abs=1e-6)
+
+
 # --- logprobs --------------------------------------------------------------------------------
 
 

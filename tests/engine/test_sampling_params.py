@@ -80,6 +80,18 @@ INVALID: list[tuple[str, Any, str]] = [
     ("stop_token_ids", [-1], "non-negative"),
     ("stop_token_ids", [-(2**64)], "64-bit"),
     ("logprobs", 2**64, "64-bit"),
+    ("logit_bias", {-1: 1.0}, ">= 0"),
+    ("logit_bias", {5: 100.5}, "[-100, 100]"),
+    ("logit_bias", {5: -101}, "[-100, 100]"),
+    ("logit_bias", {5: float("inf")}, "finite"),
+    ("logit_bias", {5: "1"}, "number"),
+    ("logit_bias", {"5": 1.0}, "int"),
+    ("logit_bias", {True: 1.0}, "int"),
+    ("logit_bias", {2**63: 1.0}, "64-bit"),
+    ("logit_bias", [(1, 1.0), (1, 2.0)], "twice"),
+    ("logit_bias", [(1, 1.0, 3)], "map token ids"),
+    ("logit_bias", "1:1", "list or tuple"),
+    ("logit_bias", {i: 1.0 for i in range(1025)}, "at most 1024"),
 ]
 
 
@@ -129,6 +141,9 @@ VALID_EDGES: list[dict[str, Any]] = [
     {"repetition_penalty": 1e-300},
     {"repetition_penalty": 1e300},
     {"temperature": 1e300},
+    {"logit_bias": {0: -100, 2**63 - 1: 100}},
+    {"logit_bias": [(7, 0.5)]},
+    {"logit_bias": {i: 1.0 for i in range(1024)}},
 ]
 
 
@@ -152,6 +167,19 @@ def test_normalisation_and_immutability() -> None:
     assert hash(p) == hash(SamplingParams(temperature=0.0, stop_token_ids=(3, 4), stop=["END"]))
     with pytest.raises(AttributeError):
         p.temperature = 1.0  # type: ignore[misc]
+
+
+def test_logit_bias_is_stored_as_sorted_pairs() -> None:
+    """A dict or pairs, any order: one immutable, hashable form (and what asdict round-trips)."""
+    from dataclasses import asdict
+
+    p = SamplingParams(logit_bias={9: 1, 3: -2.5})
+    assert p.logit_bias == ((3, -2.5), (9, 1.0))
+    assert p == SamplingParams(logit_bias=[(9, 1.0), (3, -2.5)])
+    assert hash(p) == hash(SamplingParams(logit_bias=((3, -2.5), (9, 1))))
+    assert SamplingParams(**asdict(p)) == p
+    assert SamplingParams().logit_bias == ()
+    assert p.for_sample(2).logit_bias == p.logit_bias  # every sample of n gets the bias
 
 
 def test_greedy_constructor_and_flags() -> None:

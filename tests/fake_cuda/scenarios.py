@@ -97,11 +97,16 @@ def fake_sampling(engine: Engine) -> None:
 
 
 def add_mixed_requests(engine: Engine) -> None:
-    """Greedy, random with every truncation, penalties with logprobs, two samples of one
-    prompt; one prompt long enough to be prefilled in chunks while the others decode."""
+    """Greedy, random with every truncation, penalties with logprobs and logit_bias, two
+    samples of one prompt; one prompt long enough to be prefilled in chunks while the others
+    decode."""
     engine.add_request("short", [4, 5, 6], _params(temperature=0.8, top_p=0.9, top_k=5, seed=1))
     engine.add_request(
-        "penalised", [9] * 6, _params(repetition_penalty=1.3, presence_penalty=0.5, logprobs=2)
+        "penalised",
+        [9] * 6,
+        _params(
+            repetition_penalty=1.3, presence_penalty=0.5, logprobs=2, logit_bias={11: 3, 12: -100}
+        ),
     )
     engine.add_request("long", list(range(3, 203)), _params(temperature=0.0))
     # Two samples of one prompt share its partial last block: the first token each writes

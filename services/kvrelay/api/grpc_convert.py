@@ -35,7 +35,14 @@ _FINISH = {
 # Sampling fields live in the `sampling` message: errors name them so.
 _FIELD_NAMES = {
     name: f"sampling.{name}"
-    for name in (*_OPTIONAL_FIELDS, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+    for name in (
+        *_OPTIONAL_FIELDS,
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "logit_bias",
+    )
 }
 MAX_LABEL_CHARS = 256
 
@@ -52,6 +59,7 @@ async def to_request(message: Any, router: Router, timeout_s: float | None) -> G
     fields["stop"] = list(options.stop)
     fields["stop_token_ids"] = list(options.stop_token_ids)
     fields["ignore_eos"] = options.ignore_eos
+    fields["logit_bias"] = dict(options.logit_bias)
     if not options.HasField("max_tokens"):
         fields["max_tokens"] = 16  # the proto's documented default
     label = message.request_id or None

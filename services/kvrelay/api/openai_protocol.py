@@ -1,7 +1,7 @@
 """OpenAI request bodies (with vLLM's extra sampling fields), validated by pydantic.
 
 Unknown fields are accepted and ignored, as vLLM does, so newer clients keep working; fields
-we cannot honour (tools, echo, logit_bias, suffix, best_of > n) are refused with a 400 rather
+we cannot honour (tools, echo, suffix, best_of > n) are refused with a 400 rather
 than silently ignored. An explicit JSON null means the field's default, as OpenAI and vLLM
 read it. pydantic only parses JSON types here; the rules live in kvrelay.router.prompts,
 shared with the gRPC API.
@@ -9,6 +9,7 @@ shared with the gRPC API.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -25,6 +26,28 @@ class _Body(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def token_biases(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as JSON strings, keyed by ints (the
+    ranges are checked with the other sampling fields)."""
+    if not raw:
+        return None
+    biases: dict[int, float] = {}
+    for key, value in raw.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (decimal integers), got {key[:40]!r}",
+                "logit_bias",
+            )
+        token = int(key)
+        if token in biases:
+            raise InvalidRequestError(f"logit_bias names token {token} twice", "logit_bias")
+        biases[token] = value
+    return biases
 
 
 class StreamOptions(_Body):
@@ -59,8 +82,6 @@ class _Sampling(_Body):
 
     def check_supported(self) -> None:
         """Refuse fields we cannot honour (InvalidRequestError naming the field)."""
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", "logit_bias")
 
     def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -81,6 +102,7 @@ class _Sampling(_Body):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": token_biases(self.logit_bias),
         }
 
     @property

@@ -50,8 +50,9 @@ _FLOAT_FIELDS = (
 )
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
 _LIST_FIELDS = ("stop", "stop_token_ids")
+_MAP_FIELDS = ("logit_bias",)
 SAMPLING_FIELDS: frozenset[str] = frozenset(
-    _UINT_FIELDS + _INT_FIELDS + _FLOAT_FIELDS + _BOOL_FIELDS + _LIST_FIELDS
+    _UINT_FIELDS + _INT_FIELDS + _FLOAT_FIELDS + _BOOL_FIELDS + _LIST_FIELDS + _MAP_FIELDS
 )
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
@@ -125,6 +126,11 @@ def sampling_options(sampling: Mapping[str, Any]) -> pb.SamplingOptions:
             if not all(isinstance(s, str) for s in stops):
                 raise InvalidArgumentError(f"stop must be strings, got {value!r}")
             options.stop.extend(stops)
+        elif name == "logit_bias":
+            if not isinstance(value, Mapping):
+                raise InvalidArgumentError(f"logit_bias must be a dict, got {value!r}")
+            for token, bias in value.items():
+                options.logit_bias[_int(name, token, 0, _UINT32_MAX)] = _float(name, bias)
         else:  # stop_token_ids
             ids = [_int(name, i, 0, _UINT32_MAX) for i in _sequence(name, value)]
             options.stop_token_ids.extend(ids)

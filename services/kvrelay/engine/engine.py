@@ -131,9 +131,9 @@ class Engine:
         With it off, each sample computes the prompt itself.
 
         Raises:
-            ValueError: a duplicate id, an empty prompt, a token outside the vocabulary, a
-                prompt that does not fit the context length or the KV cache, or n > 1 on a
-                prefill engine.
+            ValueError: a duplicate id, an empty prompt, a token (or a logit_bias id)
+                outside the vocabulary, a prompt that does not fit the context length or
+                the KV cache, or n > 1 on a prefill engine.
         """
         self.handoff.check_params(params, prefilled=False)
         resumed = self._check_resume(prompt_token_ids, params, resume_output_token_ids)
@@ -182,12 +182,15 @@ class Engine:
         """Validate a new request and create its `n` samples (not queued yet)."""
         if request_id in self._parents or self.handoff.has_lease(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.config.model_config.vocab_size
         prompt_ids = validate_prompt(
             prompt_token_ids,
-            vocab_size=self.config.model_config.vocab_size,
+            vocab_size=vocab,
             max_model_len=self.config.max_model_len,
             kv_capacity=self.num_blocks * self.kv_cache.block_size,
         )
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         parent = ParentRequest.fan_out(
             request_id,
             prompt,

@@ -1,4 +1,4 @@
-"""Logit penalties and the min_tokens mask, batched as sparse (row, token) updates.
+"""Logit penalties, logit biases and the min_tokens mask, batched as sparse (row, token) updates.
 
 Every function edits `logits` [S, V] in place and touches only the listed (row, token) pairs, so
 its cost grows with the number of tokens seen, not with S x V. Nothing here samples.
@@ -36,6 +36,30 @@ def flatten_token_ids(
         torch.from_numpy(row_ids).to(device, non_blocking=True),
         torch.from_numpy(toks).to(device, non_blocking=True),
     )
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,
+    biases: Sequence[Sequence[tuple[int, float]]],
+    rows: Sequence[int],
+) -> None:
+    """logits[rows[i], token] += bias for each (token, bias) of biases[i] (OpenAI's
+    logit_bias); ids outside the vocabulary are dropped, as in `flatten_token_ids`."""
+    # logits: [S, V]
+    count = sum(len(b) for b in biases)
+    if not count:
+        return
+    toks = np.fromiter((t for b in biases for t, _ in b), dtype=np.int64, count=count)  # [T]
+    values = np.fromiter((v for b in biases for _, v in b), dtype=np.float32, count=count)
+    lengths = np.fromiter((len(b) for b in biases), dtype=np.int64, count=len(biases))
+    row_ids = np.repeat(np.asarray(rows, dtype=np.int64), lengths)  # [T]
+    keep = (toks >= 0) & (toks < logits.shape[1])
+    device = logits.device
+    r = torch.from_numpy(row_ids[keep]).to(device, non_blocking=True)
+    t = torch.from_numpy(toks[keep]).to(device, non_blocking=True)
+    v = torch.from_numpy(values[keep]).to(device, non_blocking=True)
+    # Each (row, token) appears once (SamplingParams refuses a token named twice).
+    logits.index_put_((r, t), v.to(logits.dtype), accumulate=True)
 
 
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, toks: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.engine.penalties import (
+    apply_logit_bias,
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
     flatten_token_ids,
@@ -123,11 +124,14 @@ class Sampler:
         min_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not (min_rows or pen_rows or rand_rows):
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if not (min_rows or pen_rows or rand_rows or bias_rows):
             # The hot path: greedy, no penalty: nothing to copy or modify.
             tokens = argmax(logits.float())
         else:
             x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            # vLLM's order: the bias first, then the min_tokens mask and the penalties.
+            apply_logit_bias(x, [params[i].logit_bias for i in bias_rows], bias_rows)
             self._mask_min_tokens(x, rows, min_rows)
             self._penalise(x, rows, pen_rows)
             tokens = self._choose(x, rows, rand_rows, uniforms)

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# logit_bias: OpenAI's range per token, and a bound on the entries one request may send (each
+# costs a scatter into its row of every step's logits).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts up to a uint64
 # Every other int field must fit an int64: the sampler builds int64 tensors (numpy arrays) of
 # them, and a larger one would raise OverflowError inside an engine step, failing its batch.
@@ -75,6 +79,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # (token id, bias) pairs; a {token id: bias} mapping is accepted too.
+    logit_bias: Sequence[tuple[int, float]] = field(default=())
 
     def __post_init__(self) -> None:
         # Floats are normalised (an int 0 becomes 0.0) so equality and hashing behave.
@@ -99,6 +105,7 @@ class SamplingParams:
             "skip_special_tokens",
             _check_bool("skip_special_tokens", self.skip_special_tokens),
         )
+        set_(self, "logit_bias", self._logit_bias())
 
     # --- validators: each returns the normalised value or raises ValueError --------------------
 
@@ -190,6 +197,31 @@ class SamplingParams:
         if not 0 <= k <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {k}")
         return k
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        raw: object = self.logit_bias
+        pairs = list(raw.items()) if isinstance(raw, Mapping) else _as_tuple("logit_bias", raw)
+        if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(
+                f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}"
+            )
+        biases: dict[int, float] = {}
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
+            token = _check_int64("logit_bias", pair[0])
+            bias = _check_float("logit_bias", pair[1])
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {token}"
+                )
+            if token in biases:
+                raise ValueError(f"logit_bias names token {token} twice")
+            biases[token] = bias
+        return tuple(sorted(biases.items()))
 
     # --- derived -----------------------------------------------------------------------------
 

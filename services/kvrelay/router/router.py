@@ -130,6 +130,9 @@ class Router:
         vocab = self._vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"{prompt}: token ids must be in [0, {vocab})", prompt)
+        if vocab is not None and any(t >= vocab for t, _ in request.params.logit_bias):
+            name = request.param("logit_bias")
+            raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab})", name)
 
     def _check_samples(self, request: GenerateRequest) -> None:
         """n within bounds, and n samples of max_tokens within what the pools can hold: a
