@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay_kernels import cuda_backend, triton_attention
+from kvrelay_kernels import cuda_backend
 
 # kernels/csrc/kvrelay_ops.h
 _MAX_GROUP_PER_CTA = 8
@@ -163,6 +163,10 @@ def fake_triton_attention(
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route cuda_backend's compiled module and the Triton kernel to the stand-ins."""
+    """Route cuda_backend's compiled module and the Triton kernel to the stand-ins. (Triton is
+    imported here, not above: a pytest session that imports it before tests/kernels/
+    triton_interp sets TRITON_INTERPRET would skip those tests.)"""
+    from kvrelay_kernels import triton_attention
+
     monkeypatch.setitem(cuda_backend._state, "module", FakeCudaKernels)
     monkeypatch.setattr(triton_attention, "paged_attention", fake_triton_attention)
