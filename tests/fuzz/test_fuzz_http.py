@@ -50,8 +50,11 @@ def guarded(server: ServerProcess, traffic: Callable[[], None]) -> None:
 def post(client: httpx.Client, server: ServerProcess, path: str, body: Body) -> HttpAnswer:
     answer = send(client, server.http_url + path, body.raw, timeout_s=60)
     payload = strict_object(body.raw)
-    streamed = payload is not None and payload.get("stream") is True
-    error = check_http(answer, streamed)
+    # `"stream": true` must stream; other values JSON coerces to a bool (1, "yes": pydantic's
+    # lax mode, as vLLM's server reads them) may too, and the answer's type says which.
+    if answer.status == 200 and payload is not None and payload.get("stream") is True:
+        assert answer.is_event_stream, answer.content_type
+    error = check_http(answer, answer.is_event_stream)
     if error is not None:
         check_param_rule(error, answer.status, body.raw, KNOWN_FIELDS[path])
     return answer

@@ -30,6 +30,11 @@ class HttpAnswer:
     status: int
     raw: bytes
     elapsed_s: float
+    content_type: str = ""
+
+    @property
+    def is_event_stream(self) -> bool:
+        return self.content_type.startswith("text/event-stream")
 
     def json(self) -> Any:
         return json.loads(self.raw)
@@ -47,7 +52,8 @@ def send(
             raw = reply.read()
     except httpx.TransportError as exc:
         return HttpAnswer(0, repr(exc).encode(), time.monotonic() - started)
-    return HttpAnswer(reply.status_code, raw, time.monotonic() - started)
+    content_type = reply.headers.get("content-type", "")
+    return HttpAnswer(reply.status_code, raw, time.monotonic() - started, content_type)
 
 
 def param_matches(expected: Param, actual: object) -> bool:
