@@ -32,9 +32,7 @@ from kvrelay.worker.pools import actor_engine_args, worker_num_gpus
 from kvrelay_kernels import cpu_extension, select_backend
 from kvrelay_kernels.cpu_fused import load_fused_ops
 from tests.engine.conftest import TINY_VOCAB, hf_greedy, run_to_completion
-
-_aten = torch.ops.aten
-_UPLOADS = {_aten.to, _aten._to_copy, _aten.copy_}
+from tests.fake_cuda.mode import COPIES, non_blocking
 
 
 class OnDeviceOnly(TorchDispatchMode):
@@ -52,21 +50,13 @@ class OnDeviceOnly(TorchDispatchMode):
         if "meta" in devices or kwargs.get("device") == torch.device("meta"):
             self.meta_ops += 1
             host = [t for t in tensors if t.device.type == "cpu"]
-            upload = func.overloadpacket in _UPLOADS and _non_blocking(func, args, kwargs)
+            upload = func.overloadpacket in COPIES and non_blocking(func, args, kwargs)
             if host and not upload:
                 raise AssertionError(
                     f"{func} mixes host tensors {[h.shape for h in host]} "
                     "with the device's: an implicit copy (a sync on CUDA)"
                 )
         return func(*args, **kwargs)
-
-
-def _non_blocking(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
-    if "non_blocking" in kwargs:
-        return bool(kwargs["non_blocking"])
-    # Positional: copy_(self, src, non_blocking), to.device(self, device, dtype, non_blocking)
-    position = {_aten.copy_.default: 2, _aten.to.device: 3}.get(func)
-    return position is not None and len(args) > position and bool(args[position])
 
 
 def _greedy(tokens: int) -> SamplingParams:

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 _aten = torch.ops.aten
-_COPIES = (_aten._to_copy, _aten.copy_, _aten.to)
+COPIES = (_aten._to_copy, _aten.copy_, _aten.to)  # the ops that move data between devices
 # Where `non_blocking` sits among the positional arguments of the copies that take it so.
 _NON_BLOCKING_AT = {_aten.copy_.default: 2, _aten.to.device: 3}
 
@@ -82,13 +82,13 @@ class FakeCudaMode(TorchDispatchMode):
     ) -> None:
         # Zero-dim host tensors are scalars: torch passes them to kernels by value.
         host = [t for t in tensors if not isinstance(t, FakeTensor) and t.dim() > 0]
-        if func.overloadpacket in _COPIES:
+        if func.overloadpacket in COPIES:
             to_host = (target is not None and target.type == "cpu") or (
                 func.overloadpacket is _aten.copy_ and not isinstance(args[0], FakeTensor)
             )
-            if fakes and to_host and not _non_blocking(func, args, kwargs):
+            if fakes and to_host and not non_blocking(func, args, kwargs):
                 self._violate(f"{func}: a blocking device -> host copy (a sync)")
-            elif host and not _non_blocking(func, args, kwargs):
+            elif host and not non_blocking(func, args, kwargs):
                 shapes = [tuple(t.shape) for t in host]
                 self._violate(f"{func}: a blocking host -> device copy of {shapes}")
             elif host:
@@ -110,7 +110,8 @@ def _target_device(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.device
     return None if device is None else torch.device(device)
 
 
-def _non_blocking(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+def non_blocking(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether copy op `func` was called with non_blocking=True (keyword or positional)."""
     if "non_blocking" in kwargs:
         return bool(kwargs["non_blocking"])
     position = _NON_BLOCKING_AT.get(func)
