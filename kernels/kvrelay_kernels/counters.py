@@ -20,6 +20,10 @@ class KernelCounters:
     graph_replays: int = 0  # engine steps run by replaying a captured CUDA graph
     graph_captures: int = 0  # CUDA graphs captured (one per padded batch size)
     eager_steps: int = 0  # engine forward passes run eagerly (prefill, mixed, no graph)
+    jit_compiles: int = 0  # Triton kernel variants compiled in this process (jit_watch.py)
+    # ... of which after the engine said it was ready: each one stalls a serving step (the
+    # warm-up must reach every variant the engine can launch); 0 is the only right value.
+    jit_compiles_after_ready: int = 0
 
     def reset(self) -> None:
         for name in asdict(self):
