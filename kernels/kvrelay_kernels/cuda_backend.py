@@ -22,7 +22,7 @@ import torch
 
 from kvrelay_kernels import reference, triton_backend
 from kvrelay_kernels.counters import COUNTERS
-from kvrelay_kernels.plan import AttentionPlan, build_plan
+from kvrelay_kernels.plan import AttentionPlan, plan_on_device
 from kvrelay_kernels.split import split_attention
 
 logger = logging.getLogger(__name__)
@@ -198,11 +198,16 @@ def paged_attention(
     """Same meaning as `reference.paged_attention`. Decode rows go to the CUDA decode kernel
     and prefill rows to the Triton varlen kernel, in one step (split.py); shapes without a
     compiled decode kernel send the whole batch to Triton (else the torch reference)."""
-    args = (query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale)
     if not kv_cache.is_cuda:
-        return reference.paged_attention(*args, plan=plan, out=out)
-    if plan is None:
-        plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
+        return reference.paged_attention(
+            query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale,
+            plan=plan, out=out,
+        )  # fmt: skip
+    if plan is None:  # a direct caller: the plan's indices must live where the query does
+        plan, block_tables, seq_lens, query_start_loc = plan_on_device(
+            query.device, block_tables, seq_lens, query_start_loc, kv_cache.shape[3]
+        )
+    args = (query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale)
     if not (plan.has_decodes and _decode_supported(query, kv_cache) and load_extension()):
         return _without_decode_kernel(args, plan, out)
 

@@ -193,6 +193,27 @@ def build_plan(
     )  # fmt: skip
 
 
+def plan_on_device(
+    device: torch.device,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+) -> tuple[AttentionPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a caller that passes no plan: the plan, built on the host from host copies of the
+    metadata (reading device metadata is a sync; a direct caller pays it, the engine never
+    does), with the plan's index tensors and the metadata itself on `device` (the query's),
+    so every gather of a split step indexes a tensor on its own device.
+
+    Returns:
+        (plan, block_tables, seq_lens, query_start_loc), all on `device`.
+    """
+    host = [t.cpu() for t in (block_tables, seq_lens, query_start_loc)]
+    plan = build_plan(*host, block_size).to(device)
+    tables, lens, starts = (t.to(device) for t in (block_tables, seq_lens, query_start_loc))
+    return plan, tables, lens, starts
+
+
 def _slot_split(
     slot_mapping: torch.Tensor | None, block_size: int, num_slots: int | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

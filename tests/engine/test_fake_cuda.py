@@ -203,3 +203,12 @@ def test_a_handoff_fences_the_prefill_writes_and_moves_blocks_through_pinned_mem
     decoded = result["decoded"]
     assert decoded["aborted"] == [] and decoded["finished"] == {"r": [SAMPLED] * TOKENS}
     assert decoded["pool_whole"] and result["prefill_pool_whole"]
+
+
+def test_a_direct_call_without_a_plan_gathers_on_the_query_device(report: dict[str, Any]) -> None:
+    """The GPU check's kernel part failed here: the plan it built for itself kept its index
+    tensors on the host, and the first split step with scattered decodes raised."""
+    result = result_of(report, "direct_call")
+    assert result["out"] == ["cuda:0", [5, 4, 64]]
+    # The prefill is one contiguous span: Triton reads the whole query at its offsets.
+    assert sorted(map(tuple, result["calls"])) == [("decode", 2), ("triton", 5)]

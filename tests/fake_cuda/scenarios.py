@@ -251,6 +251,23 @@ def run_until_handle(engine: Engine, mode: FakeCudaMode) -> list[Any]:
     return outs
 
 
+def scenario_direct_call(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
+    """`cuda_backend.paged_attention` without a plan, as the GPU check's kernel part calls it:
+    a mixed step whose decodes are not contiguous (decode, prefill, decode), so the split
+    gathers by the plan's index tensors, which must be on the query's device. The metadata
+    comes from the host (a direct caller may pass it there); not strict: such a caller syncs."""
+    from kvrelay_kernels import cuda_backend
+
+    heads, kv_heads, dim = 4, 2, 64
+    query = torch.empty(5, heads, dim, dtype=torch.bfloat16, device="cuda")
+    kv_cache = torch.empty(8, 1, 2, 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    tables = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 6]], dtype=torch.int32)
+    lens = torch.tensor([20, 10, 33], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    out = cuda_backend.paged_attention(query, kv_cache, 0, tables, lens, starts, dim**-0.5)
+    return {"out": [str(out.device), list(out.shape)], "calls": kernels.LOG.calls}
+
+
 def scenario_rules(model: Path, mode: FakeCudaMode) -> dict[str, str]:
     """The rig itself: each thing a decode step must not do is caught while strict."""
     device = torch.empty(4, 8, device="cuda")
@@ -301,6 +318,7 @@ def main(out: Path) -> None:
         "gpu_check_batch": lambda: scenario_gpu_check_batch(smollm2, mode),
         "long_context": lambda: scenario_long_context(smollm2, mode),
         "handoff": lambda: scenario_handoff(hd64, mode),
+        "direct_call": lambda: scenario_direct_call(hd64, mode),
     }
     results: dict[str, Any] = {}
     with mode:
