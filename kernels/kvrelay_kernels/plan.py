@@ -208,8 +208,8 @@ def plan_on_device(
     Returns:
         (plan, block_tables, seq_lens, query_start_loc), all on `device`.
     """
-    host = [t.cpu() for t in (block_tables, seq_lens, query_start_loc)]
-    plan = build_plan(*host, block_size).to(device)
+    on_host = build_plan(block_tables.cpu(), seq_lens.cpu(), query_start_loc.cpu(), block_size)
+    plan = on_host.to(device)
     tables, lens, starts = (t.to(device) for t in (block_tables, seq_lens, query_start_loc))
     return plan, tables, lens, starts
 

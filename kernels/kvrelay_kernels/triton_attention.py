@@ -102,7 +102,10 @@ def _attend_context(  # type: ignore[no-untyped-def]  # triton params
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
-@triton.jit
+# Ints that change from step to step or layer to layer are not specialized on (Triton would
+# otherwise compile a variant for a value of 1 and for multiples of 16): a new variant is a
+# compile, and a compile met while serving stalls a step (jit_watch.py).
+@triton.jit(do_not_specialize=["num_seqs", "layer_offset", "stride_table"])
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
     out_ptr,
     q_ptr,

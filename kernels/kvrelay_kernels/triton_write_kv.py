@@ -10,7 +10,8 @@ import triton.language as tl
 from kvrelay_kernels.plan import AttentionPlan
 
 
-@triton.jit
+# The layer's offset changes per layer: not specialized on (see triton_attention.py).
+@triton.jit(do_not_specialize=["layer_offset"])
 def _write_kv_kernel(  # type: ignore[no-untyped-def]  # triton params
     key_ptr,
     value_ptr,

@@ -162,7 +162,8 @@ def test_long_contexts_split_k_within_the_graphs_workspace(report: dict[str, Any
     assert set(result["finished"]) == {"long", "short"}
     assert report["long_context"]["counters"]["graph_replays"] > 0
     parts = cuda_backend.max_partitions(4160)
-    assert parts == 9 and report["long_context"]["decode_splits"] == [[parts, True]]
+    # [1, False]: the warm-up's eager decodes of short contexts, before the graphs.
+    assert parts == 9 and report["long_context"]["decode_splits"] == [[1, False], [parts, True]]
     assert [1, False] in report["eager"]["decode_splits"]  # short contexts, no workspace
 
 
@@ -212,3 +213,16 @@ def test_a_direct_call_without_a_plan_gathers_on_the_query_device(report: dict[s
     assert result["out"] == ["cuda:0", [5, 4, 64]]
     # The prefill is one contiguous span: Triton reads the whole query at its offsets.
     assert sorted(map(tuple, result["calls"])) == [("decode", 2), ("triton", 5)]
+
+
+def test_the_engine_launches_each_step_kind_before_it_is_ready(report: dict[str, Any]) -> None:
+    """The warm-up (engine/warm_up.py) on a 2-layer model, before any request: a prefill
+    alone (Triton), a mixed step (the decode kernel and Triton, each on its rows), decodes
+    alone; so every kernel variant is compiled before serving, not in its first steps."""
+    calls = [tuple(call) for call in result_of(report, "warm_up")["calls"]]
+    per_layer = [
+        [("write_kv", 3), ("triton", 3)],
+        [("write_kv", 5), ("decode", 1), ("triton", 5)],
+        [("write_kv", 2), ("decode", 2)],
+    ]
+    assert calls == [call for step in per_layer for call in step * 2]

@@ -251,6 +251,12 @@ def run_until_handle(engine: Engine, mode: FakeCudaMode) -> list[Any]:
     return outs
 
 
+def scenario_warm_up(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
+    """What an engine launches before it is ready (eager, so no graph capture adds to it)."""
+    make_engine(model, enforce_eager=True)
+    return {"calls": list(kernels.LOG.calls)}
+
+
 def scenario_direct_call(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
     """`cuda_backend.paged_attention` without a plan, as the GPU check's kernel part calls it:
     a mixed step whose decodes are not contiguous (decode, prefill, decode), so the split
@@ -265,7 +271,7 @@ def scenario_direct_call(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
     lens = torch.tensor([20, 10, 33], dtype=torch.int32)
     starts = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
     out = cuda_backend.paged_attention(query, kv_cache, 0, tables, lens, starts, dim**-0.5)
-    return {"out": [str(out.device), list(out.shape)], "calls": kernels.LOG.calls}
+    return {"out": [str(out.device), list(out.shape)], "calls": list(kernels.LOG.calls)}
 
 
 def scenario_rules(model: Path, mode: FakeCudaMode) -> dict[str, str]:
@@ -319,6 +325,7 @@ def main(out: Path) -> None:
         "long_context": lambda: scenario_long_context(smollm2, mode),
         "handoff": lambda: scenario_handoff(hd64, mode),
         "direct_call": lambda: scenario_direct_call(hd64, mode),
+        "warm_up": lambda: scenario_warm_up(hd64, mode),
     }
     results: dict[str, Any] = {}
     with mode:

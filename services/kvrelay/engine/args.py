@@ -125,6 +125,17 @@ class EngineArgs:
         detokenizes. The offline `LLM` detokenizes in the engine. Without tokenizer files in
         the folder the engine runs on token ids alone, as the tests' tiny random models do.
         """
+        from kvrelay_kernels import jit_watch
+
+        path = self.resolve_model_path()
+        config = self.create_engine_config(path)
+        if config.device.startswith("cuda"):
+            jit_watch.install()
+        # Loading, packing and the memory profile launch kernels too: all before ready.
+        with jit_watch.warming_up():
+            return self._build_engine(path, config, with_tokenizer)
+
+    def _build_engine(self, path: Path, config: EngineConfig, with_tokenizer: bool) -> Engine:
         import torch
 
         from kvrelay.engine.engine import Engine
@@ -133,8 +144,6 @@ class EngineArgs:
         from kvrelay_kernels import select_backend
         from kvrelay_kernels.cpu_fused import prepare_fused_ops
 
-        path = self.resolve_model_path()
-        config = self.create_engine_config(path)
         backend = select_backend(config.attention_backend)
         model, _ = load_model(
             path,

@@ -23,7 +23,9 @@ from kvrelay.engine.runner import CausalLMModel, ModelRunner, SampledToken, Step
 from kvrelay.engine.sampler import Sampler, skip_seeded_draws
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.warm_up import warm_up
 from kvrelay.messages import EngineStats, KVHandle, PullPlan, Role
+from kvrelay_kernels import jit_watch
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,8 @@ class Engine:
             max_blocks_per_seq=-(-self.max_total_tokens // block_size),
             max_num_seqs=config.scheduler.max_num_seqs,
         )
-        if config.device.startswith("cuda") and not config.enforce_eager:
-            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_total_tokens)
+        if config.device.startswith("cuda"):
+            self._warm_up(kv_tensor)
         self.role = Role(config.role)
         self.handoff = KVHandoff(
             self.kv_cache,
@@ -91,6 +93,17 @@ class Engine:
             kv_tensor.numel() * kv_tensor.element_size() / 2**20,
             config.max_model_len,
         )
+
+    def _warm_up(self, kv_tensor: torch.Tensor) -> None:
+        """Every kernel variant a step can launch, compiled before the engine is ready (a
+        compile while serving stalls a step: warm_up.py), then the decode graphs captured."""
+        jit_watch.install()
+        with jit_watch.warming_up():
+            warm_up(self.runner.model, kv_tensor)
+            if not self.config.enforce_eager:
+                self.runner.capture_cuda_graphs(
+                    self.config.scheduler.max_num_seqs, self.max_total_tokens
+                )
 
     @property
     def num_blocks(self) -> int:
