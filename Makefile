@@ -60,7 +60,23 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # Regenerate the committed protobuf / gRPC Python code (tests/transfer checks it is current).
+# The generator is grpcio-tools at pyproject's grpcio floor, never a newer one: its *_pb2_grpc.py
+# refuse a grpcio older than the tools, and its *_pb2.py a protobuf older than its protoc (5.27.2
+# for 1.66.0), so the generator's version is the oldest grpc a deployment's image may bring. It
+# lives in its own venv under ~/.cache/kvrelay, since its protobuf 5 pin must not replace the
+# project's newer protobuf (tests/transfer/pinned_venv.py builds the same folder). Raise it
+# only with pyproject's grpc / protobuf floors and the README's line: tests/transfer checks.
+GRPC_TOOLS_VERSION := 1.66.0
+GRPC_TOOLS := $(HOME)/.cache/kvrelay/grpc-tools-$(GRPC_TOOLS_VERSION)
+
+$(GRPC_TOOLS)/.installed:
+	rm -rf $(GRPC_TOOLS)
+	$(PYTHON) -m venv $(GRPC_TOOLS)
+	$(GRPC_TOOLS)/bin/python -m pip install -q --only-binary=:all: grpcio-tools==$(GRPC_TOOLS_VERSION)
+	touch $@
+
 .PHONY: proto
-proto: setup
-	$(PY) -m grpc_tools.protoc -I proto --python_out=services --grpc_python_out=services \
-		--pyi_out=services proto/kvrelay/v1/kv_transfer.proto proto/kvrelay/v1/generation.proto
+proto: $(GRPC_TOOLS)/.installed
+	$(GRPC_TOOLS)/bin/python -m grpc_tools.protoc -I proto --python_out=services \
+		--grpc_python_out=services --pyi_out=services \
+		proto/kvrelay/v1/kv_transfer.proto proto/kvrelay/v1/generation.proto

@@ -5,7 +5,7 @@ import warnings
 
 from kvrelay.v1 import generation_pb2 as kvrelay_dot_v1_dot_generation__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvrelay/v1/generation_pb2_grpc.py depends on'
+        + f' but the generated code in kvrelay/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class GenerationStub:
+class GenerationStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -46,7 +46,7 @@ class GenerationStub:
                 _registered_method=True)
 
 
-class GenerationServicer:
+class GenerationServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -86,7 +86,7 @@ def add_GenerationServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Generation:
+class Generation(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

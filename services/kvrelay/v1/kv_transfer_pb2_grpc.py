@@ -5,7 +5,7 @@ import warnings
 
 from kvrelay.v1 import kv_transfer_pb2 as kvrelay_dot_v1_dot_kv__transfer__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvrelay/v1/kv_transfer_pb2_grpc.py depends on'
+        + f' but the generated code in kvrelay/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class KVTransferStub:
+class KVTransferStub(object):
     """Served by every prefill worker (whose leased KV blocks decode workers pull), on loopback in a
     local `serve` and on the configured interface in a cluster.
     """
@@ -43,7 +43,7 @@ class KVTransferStub:
                 _registered_method=True)
 
 
-class KVTransferServicer:
+class KVTransferServicer(object):
     """Served by every prefill worker (whose leased KV blocks decode workers pull), on loopback in a
     local `serve` and on the configured interface in a cluster.
     """
@@ -77,7 +77,7 @@ def add_KVTransferServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class KVTransfer:
+class KVTransfer(object):
     """Served by every prefill worker (whose leased KV blocks decode workers pull), on loopback in a
     local `serve` and on the configured interface in a cluster.
     """
