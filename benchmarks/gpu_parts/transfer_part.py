@@ -95,8 +95,9 @@ def staging_transport(prefill: Any, decode: Any) -> Iterator[Pull]:
 
 OPENERS = {"grpc": grpc_transport, "nixl": nixl_transport, "staging": staging_transport}
 # The modules each transport imports. The generated gRPC code (kvrelay/v1) checks the installed
-# grpcio and protobuf at import: on a machine with older ones it raises a RuntimeError or
-# protobuf's VersionError, not an ImportError; either way the transport cannot run there.
+# grpcio and protobuf at import: on a machine with ones older than pyproject's floors it raises
+# a RuntimeError or protobuf's VersionError, not an ImportError; either way the transport
+# cannot run there.
 MODULES = {
     "grpc": ("kvrelay.transfer.grpc_connector",),
     "nixl": ("kvrelay.transfer.nixl_connector",),
