@@ -24,13 +24,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvrelay_kernels import triton_attention, triton_write_kv
+from kvrelay_kernels import (
+    triton_activation,
+    triton_attention,
+    triton_norm,
+    triton_rope_kv,
+    triton_write_kv,
+)
 
 ARCHS = (80, 90)
 # (name, query heads, KV heads, head_dim): SmolLM2-135M, Llama-3-8B, a padded head_dim.
 SHAPES = (("smollm2", 9, 3, 64), ("llama8b", 32, 8, 128), ("hd80", 16, 4, 80))
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 BLOCK_SIZE = 16
+# The MLP's intermediate size of each shape (the fused kernels' silu_and_mul).
+INTERMEDIATE = {"smollm2": 1536, "llama8b": 14336, "hd80": 4096}
 _USAGE = re.compile(r"REG:(\d+) .*?LOCAL:(\d+)")
 
 
@@ -43,6 +51,7 @@ class Case:
     signature: dict[str, str]
     constants: dict[str, Any]
     num_warps: int
+    options: tuple[tuple[str, Any], ...] = ()  # other launch options (enable_fp_fusion)
 
 
 @dataclass
@@ -125,6 +134,62 @@ def write_kv_cases(arch: int) -> list[Case]:
     return cases
 
 
+def fused_cases(arch: int) -> list[Case]:
+    """The fused element-wise kernels (triton_norm, triton_activation, triton_rope_kv) at each
+    shape's hidden size (heads * head_dim), intermediate size and cache, in every dtype; the
+    GPU path of silu (libdevice's exp), 16-element-aligned rows (the model's)."""
+    cases = []
+    for shape, heads, kv_heads, head_dim in SHAPES:
+        for short in DTYPES.values():
+            hidden = heads * head_dim
+            for add in (False, True):
+                constants = triton_norm.kernel_constants(hidden, add)
+                norm_ptrs = ("x_ptr", "delta_ptr", "weight_ptr", "out_ptr")
+                fn = triton_norm._rms_norm_kernel
+                cases.append(
+                    Case(
+                        "add_rms_norm" if add else "rms_norm",
+                        f"{shape} {short}",
+                        arch,
+                        fn,
+                        signature(fn, dict.fromkeys(norm_ptrs, f"*{short}"), {"eps"}, constants),
+                        constants,
+                        triton_norm.num_warps(hidden),
+                    )
+                )
+            constants = triton_activation.kernel_constants(INTERMEDIATE[shape], True)
+            fn = triton_activation._silu_and_mul_kernel
+            pointers = dict.fromkeys(("gate_up_ptr", "out_ptr"), f"*{short}")
+            cases.append(
+                Case(
+                    "silu_and_mul",
+                    f"{shape} {short}",
+                    arch,
+                    fn,
+                    signature(fn, pointers, set(), constants),
+                    constants,
+                    triton_activation.NUM_WARPS,
+                )
+            )
+            constants = triton_rope_kv.kernel_constants(heads, kv_heads, head_dim, BLOCK_SIZE)
+            fn = triton_rope_kv._rope_kv_kernel
+            rope_ptrs = ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "cache_ptr")
+            pointers = dict.fromkeys(rope_ptrs, f"*{short}") | {"slot_ptr": "*i64"}
+            cases.append(
+                Case(
+                    "rope_and_write_kv",
+                    f"{shape} {short}",
+                    arch,
+                    fn,
+                    signature(fn, pointers, set(), constants),
+                    constants,
+                    triton_rope_kv.NUM_WARPS,
+                    tuple(triton_rope_kv.LAUNCH_OPTIONS.items()),
+                )
+            )
+    return cases
+
+
 def compile_case(case: Case) -> Outcome:
     """Compile `case` to a cubin and read its registers and spills."""
     outcome = Outcome(case)
@@ -132,7 +197,8 @@ def compile_case(case: Case) -> Outcome:
     try:
         source = ASTSource(fn=case.fn, signature=case.signature, constexprs=case.constants)
         target = GPUTarget("cuda", case.arch, 32)
-        compiled = triton.compile(source, target=target, options={"num_warps": case.num_warps})
+        options = {"num_warps": case.num_warps, **dict(case.options)}
+        compiled = triton.compile(source, target=target, options=options)
         outcome.shared = int(getattr(compiled.metadata, "shared", 0))
         outcome.registers, outcome.spill = resource_usage(compiled.asm["cubin"])
     except Exception as exc:  # a compile error is the finding: reported, not raised
@@ -161,17 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, action="append", help="override the target archs")
     parser.add_argument("--quick", action="store_true", help="one case per kernel and arch")
     args = parser.parse_args(argv)
-    cases = [c for a in args.arch or ARCHS for c in attention_cases(a) + write_kv_cases(a)]
+    cases = [
+        c
+        for a in args.arch or ARCHS
+        for c in attention_cases(a) + write_kv_cases(a) + fused_cases(a)
+    ]
     if args.quick:
         cases = list({(c.kernel, c.arch): c for c in cases}.values())
     print(f"triton {triton.__version__}: compiling {len(cases)} kernel configurations")
     outcomes = [compile_case(c) for c in cases]
-    print(f"{'kernel':<16} {'config':<22} arch  regs  smem(B)  spill(B)  seconds")
+    print(f"{'kernel':<18} {'config':<22} arch  regs  smem(B)  spill(B)  seconds")
     for o in outcomes:
         c = o.case
         status = "  <-- SPILL" if o.spill else ("  <-- ERROR" if o.error else "")
         print(
-            f"{c.kernel:<16} {c.config:<22} sm_{c.arch} {o.registers:>5} {o.shared:>8} "
+            f"{c.kernel:<18} {c.config:<22} sm_{c.arch} {o.registers:>5} {o.shared:>8} "
             f"{o.spill:>9} {o.seconds:>8.1f}{status}"
         )
     errors = [o for o in outcomes if o.error]
