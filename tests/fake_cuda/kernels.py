@@ -1,7 +1,8 @@
-"""Stand-ins for the compiled CUDA kernels (kernels/csrc/torch_binding.cpp) and the Triton
-attention kernel: they check what the binding checks, plus what the binding cannot check but
-a kernel would crash on (every tensor on the device: a host pointer handed to a kernel is an
-illegal address), and log each call. They compute nothing: the tensors are fake."""
+"""Stand-ins for the compiled CUDA kernels (kernels/csrc/torch_binding.cpp), the Triton
+attention kernel and the fused layer ops (gpu_fused.py): they check what the binding checks,
+plus what the binding cannot check but a kernel would crash on (every tensor on the device: a
+host pointer handed to a kernel is an illegal address), and log each call. They compute
+nothing: the tensors are fake."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay_kernels import cuda_backend
+from kvrelay_kernels import cuda_backend, gpu_fused
 
 # kernels/csrc/kvrelay_ops.h
 _MAX_GROUP_PER_CTA = 8
@@ -162,6 +163,64 @@ def fake_triton_attention(
     return out if out is not None else torch.empty_like(query)
 
 
+class FakeGpuFusedOps:
+    """`gpu_fused`'s Triton ops: checks of what their wrappers and kernels need, a log line
+    each, and outputs of the right shape."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _on_device(x=x, weight=weight)
+        if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
+            raise RuntimeError("rms_norm: x [T, hidden] rows contiguous, weight [hidden]")
+        LOG.calls.append(("rms_norm", x.shape[0]))
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def add_rms_norm(
+        residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        _on_device(residual=residual, delta=delta, weight=weight)
+        if residual.shape != delta.shape or residual.dtype != delta.dtype:
+            raise RuntimeError("add_rms_norm: residual and delta must match")
+        LOG.calls.append(("add_rms_norm", residual.shape[0]))
+        return torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        _on_device(gate_up=gate_up)
+        rows, width = gate_up.shape
+        if width % 2 or gate_up.stride(1) != 1:
+            raise RuntimeError("silu_and_mul: [T, 2 * intermediate], rows contiguous")
+        LOG.calls.append(("silu_and_mul", rows))
+        return torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+
+    @staticmethod
+    def rope_and_write_kv(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
+        _on_device(qkv=qkv, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping)
+        _check_cache(kv_cache, layer)
+        tokens = qkv.shape[0]
+        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+            raise RuntimeError("rope_and_write_kv: qkv is [T, (h + 2 kvh) d]")
+        if cos.shape != (tokens, 1, head_dim // 2) or sin.shape != cos.shape:
+            raise RuntimeError("rope_and_write_kv: cos and sin are [T, 1, d / 2]")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (tokens,):
+            raise RuntimeError("rope_and_write_kv: one int64 slot per token")
+        if kv_cache.shape[4:] != (num_kv_heads, head_dim):
+            raise RuntimeError("rope_and_write_kv: the cache's heads disagree")
+        LOG.calls.append(("rope_and_write_kv", tokens))
+        return torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+
+
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route cuda_backend's compiled module and the Triton kernel to the stand-ins. (Triton is
     imported here, not above: a pytest session that imports it before tests/kernels/
@@ -169,4 +228,5 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvrelay_kernels import triton_attention
 
     monkeypatch.setitem(cuda_backend._state, "module", FakeCudaKernels)
+    monkeypatch.setitem(gpu_fused._state, "ops", FakeGpuFusedOps)
     monkeypatch.setattr(triton_attention, "paged_attention", fake_triton_attention)

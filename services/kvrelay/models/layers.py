@@ -17,6 +17,7 @@ from torch import nn
 from kvrelay.models.cpu_features import cpu_has_native_bf16
 from kvrelay_kernels.cpu_blocked import blocked_ops_for, load_blocked_ops, pack_blocks
 from kvrelay_kernels.cpu_fused import fused_ops_for
+from kvrelay_kernels.gpu_fused import gpu_fused_ops_for
 
 # kvrelay's blocked kernel bound to one weight: the kernel, the weight packed in its blocks,
 # the out-features and the fp32 bias, bound once (reading a parameter through
@@ -55,7 +56,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         `[M, out]`, contiguous.
     """
     rows = x.shape[0]
-    if rows >= SMALL_BATCH_ROWS or x.dim() != 2:
+    # On a GPU cuBLAS picks its own kernel for a few rows; the transposes and the doubled row
+    # would only add launches there.
+    if rows >= SMALL_BATCH_ROWS or x.dim() != 2 or not x.is_cpu:
         return F.linear(x, weight, bias)
     cols = x.t() if rows > 1 else torch.cat((x, x)).t()  # [in, max(M, 2)]
     out = (weight @ cols)[:, :rows].t().contiguous()  # [M, out]
@@ -199,6 +202,9 @@ class RMSNorm(nn.Module):
         if fused is not None and x.dtype == self.weight.dtype:
             out: torch.Tensor = fused.rms_norm(x, self.weight, self.eps)
             return out
+        gpu = gpu_fused_ops_for(x)
+        if gpu is not None and x.dtype == self.weight.dtype:
+            return gpu.rms_norm(x, self.weight, self.eps)  # one launch, the same roundings
         return self.forward_with_torch_ops(x)
 
     def forward_with_torch_ops(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +220,9 @@ class RMSNorm(nn.Module):
         if fused is not None and residual.dtype == delta.dtype == self.weight.dtype:
             out: torch.Tensor = fused.add_rms_norm(residual, delta, self.weight, self.eps)
             return out
+        gpu = gpu_fused_ops_for(residual)
+        if gpu is not None and residual.dtype == delta.dtype == self.weight.dtype:
+            return gpu.add_rms_norm(residual, delta, self.weight, self.eps)
         residual.add_(delta)
         return self.forward(residual)
 
@@ -235,6 +244,9 @@ class GatedMLP(nn.Module):
         fused = fused_ops_for(gate_up)
         if fused is not None:  # one C++ call on the CPU, bit for bit the torch code below
             return self.down_proj.forward(fused.silu_and_mul(gate_up))
+        gpu = gpu_fused_ops_for(gate_up)
+        if gpu is not None:  # one Triton launch on a GPU, the same roundings
+            return self.down_proj.forward(gpu.silu_and_mul(gate_up))
         return self.down_proj.forward(self.silu_and_mul_with_torch_ops(gate_up))
 
     def silu_and_mul_with_torch_ops(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from kvrelay.models.rope import RotaryEmbedding, apply_rope
 from kvrelay.models.single_row import choose_single_row_paths
 from kvrelay_kernels import AttentionBackend
 from kvrelay_kernels.cpu_blocked import pack_blocks_together
+from kvrelay_kernels.gpu_fused import gpu_fused_ops_for
 
 # Below this many rows the vocab projection reads the GGUF's blocks where the loader gave
 # them (`quantized_logits`): on a 2-core AVX2 EPYC, two threads, fp32, 4.0 / 4.0 / 5.8 /
@@ -77,12 +78,14 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # [T, (h + 2 * kvh) * d]
-        # q and k are rotated together (one set of elementwise ops for both); v is a view.
-        qk = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
-        v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)  # [T, kvh, d]
-        qk = apply_rope(qk, cos, sin)  # [T, h + kvh, d], contiguous
-        q, k = qk.split((h, kvh), dim=1)  # [T, h, d], [T, kvh, d]
-        self.backend.write_kv(k, v, kv_cache, self.layer_idx, attn.slot_mapping, plan=attn.plan)
+        gpu = gpu_fused_ops_for(qkv)
+        if gpu is not None and kv_cache.device == qkv.device and cos.dtype == qkv.dtype:
+            # One launch rotates q and k and writes k and v into their slots (same roundings).
+            q = gpu.rope_and_write_kv(
+                qkv, cos, sin, kv_cache, self.layer_idx, attn.slot_mapping, h, kvh, d
+            )  # [T, h, d]
+        else:
+            q = self._rope_and_write_kv(qkv, cos, sin, kv_cache, attn)
         out = self.backend.paged_attention(
             q,
             kv_cache,
@@ -94,6 +97,26 @@ class Attention(nn.Module):
             plan=attn.plan,
         )  # [T, h, d]
         return self.o_proj.forward(out.reshape(num_tokens, h * d))  # [T, hidden]
+
+    def _rope_and_write_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionInputs,
+    ) -> torch.Tensor:
+        """The rotated queries `[T, h, d]`, after the backend wrote the rotated keys and the
+        values into the cache."""
+        num_tokens = qkv.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # q and k are rotated together (one set of elementwise ops for both); v is a view.
+        qk = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
+        v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)  # [T, kvh, d]
+        qk = apply_rope(qk, cos, sin)  # [T, h + kvh, d], contiguous
+        q, k = qk.split((h, kvh), dim=1)  # [T, h, d], [T, kvh, d]
+        self.backend.write_kv(k, v, kv_cache, self.layer_idx, attn.slot_mapping, plan=attn.plan)
+        return q
 
 
 class DecoderLayer(nn.Module):
@@ -109,18 +132,24 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionInputs,
     ) -> torch.Tensor:
-        # h: [T, hidden], the residual stream; it is owned by the model's forward, so the
-        # residual adds happen in place instead of allocating a new stream twice per layer.
+        """Returns this layer's MLP output, not yet added to `h`: the next norm adds it
+        (`add_and_norm`, one fused op), as `pending` here adds the previous layer's.
+
+        h: [T, hidden], the residual stream; it is owned by the model's forward, so the
+        residual adds happen in place instead of allocating a new stream twice per layer.
+        """
         # `.forward` directly: these modules have no hooks, and nn.Module.__call__ cost about
         # 1 ms of a 29 ms single-stream decode step (eight calls per layer).
-        attended = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, attn)
-        h.add_(self.mlp.forward(self.post_attention_layernorm.add_and_norm(h, attended)))
-        return h
+        norm = self.input_layernorm
+        normed = norm.forward(h) if pending is None else norm.add_and_norm(h, pending)
+        attended = self.self_attn.forward(normed, cos, sin, kv_cache, attn)
+        return self.mlp.forward(self.post_attention_layernorm.add_and_norm(h, attended))
 
 
 class CausalLM(nn.Module):
@@ -217,11 +246,11 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # shared by every layer
         stack = self.decoder_stack
         if stack is not None and stack.takes(h, kv_cache, attn):
-            h = stack.forward(h, cos, sin, kv_cache, attn)
-        else:
-            for layer in self.layers:
-                h = layer.forward(h, cos, sin, kv_cache, attn)
-        return self.norm(h)
+            return self.norm(stack.forward(h, cos, sin, kv_cache, attn))
+        pending = None  # each layer's MLP output, added to `h` by the next norm
+        for layer in self.layers:
+            pending = layer.forward(h, pending, cos, sin, kv_cache, attn)
+        return self.norm(h) if pending is None else self.norm.add_and_norm(h, pending)
 
     def prepack(self) -> None:
         """Pack a copy of every matmul weight for the fastest CPU path (`Linear.prepack`; a
