@@ -1,6 +1,14 @@
 """Random-weight models for the engine checks, built on the spot from a LlamaConfig (no cached
 weights needed), their transformers reference, kvrelay engines over them, and the kernel
-counters read defensively (they are newer than this script may be)."""
+counters read defensively (they are newer than this script may be).
+
+The weights are drawn with a std of INIT_GAIN / sqrt(hidden_size), not transformers' default
+0.02: at 0.02 the 135M shape's greedy output collapses to one or two repeated tokens, and at
+0.1 the network is so chaotic that fp32 rounding moves the logits by ~2e-4 (their top-two gap
+being ~0.45), so exact greedy comparisons would part at rounding ties. At 0.04 (the 135M
+shape) the output is varied and, over 1,200 positions, the smallest top-two logit gap was 29x
+the fp32-vs-fp64 logit error (median gap 0.16, error 1e-5): argmax is decided by the model,
+not by rounding. A gain, so the 1B shape (hidden 2048) gets the same per-layer scale."""
 
 from __future__ import annotations
 
@@ -66,33 +74,70 @@ SMALL_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+INIT_GAIN = 0.96  # weight std x sqrt(hidden_size): 0.04 at the 135M shape (docstring)
+
+
+def init_std(hidden_size: int) -> float:
+    return INIT_GAIN / hidden_size**0.5
+
+
 def dtype_of(ctx: Context) -> torch.dtype:
     return torch.bfloat16 if ctx.cuda else torch.float32
 
 
-def build_model(ctx: Context, name: str) -> tuple[Path, Any]:
-    """A random-weight Llama of shape `name` saved as safetensors under ctx.work_dir, and the
-    transformers model holding the very same weights, on the device, in eval mode. Reused
-    when asked again (ctx.shared)."""
-    key = f"model:{name}"
+def model_key(ctx: Context, name: str, dtype: torch.dtype | None, layers: int | None) -> str:
+    """ctx.shared's key of a built model: `model:NAME` for the default dtype and depth (what
+    part 4 reuses), suffixed otherwise."""
+    default = (dtype is None or dtype == dtype_of(ctx)) and layers is None
+    return f"model:{name}" if default else f"model:{name}:{dtype}:{layers}"
+
+
+def build_model(
+    ctx: Context, name: str, *, dtype: torch.dtype | None = None, layers: int | None = None
+) -> tuple[Path, Any]:
+    """A random-weight Llama of shape `name` (`layers` deep if given; in `dtype`, the run's
+    default if not) saved as safetensors under ctx.work_dir, and the transformers model
+    holding the very same weights, on the device, in eval mode. Reused when asked again
+    (ctx.shared)."""
+    key = model_key(ctx, name, dtype, layers)
     if key in ctx.shared:
         return ctx.shared[key]
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    shape = dict((SMALL_SHAPES if ctx.small else SHAPES)[name])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
     config = LlamaConfig(
-        **(SMALL_SHAPES if ctx.small else SHAPES)[name], bos_token_id=1, eos_token_id=2
+        **shape,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=init_std(shape["hidden_size"]),
     )
     torch.manual_seed(0)
     start = time.perf_counter()
     with torch.device(ctx.device):  # random init on the GPU: seconds, not a minute on the CPU
-        model = LlamaForCausalLM(config)
-    model.to(dtype_of(ctx)).eval().requires_grad_(False)
-    folder = ctx.work_dir / name
+        model: Any = LlamaForCausalLM(config)  # Any: transformers' typing of `.to` is off
+    model.to(dtype or dtype_of(ctx)).eval().requires_grad_(False)
+    folder = ctx.work_dir / key.removeprefix("model:").replace(":", "-").replace(".", "_")
     model.save_pretrained(folder, safe_serialization=True)
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    ctx.log(f"{name}: {params:.0f} M parameters, built in {time.perf_counter() - start:.1f} s")
+    ctx.log(
+        f"{folder.name}: {params:.0f} M parameters, {shape['num_hidden_layers']} layers, "
+        f"built in {time.perf_counter() - start:.1f} s"
+    )
     ctx.shared[key] = (folder, model)
     return folder, model
+
+
+def eos_ids(model: Any) -> set[int]:
+    """The EOS ids transformers' generate stops at (the generation config's, else the model
+    config's): the ones kvrelay reads from the same folder."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = model.config.eos_token_id
+    if ids is None:
+        return set()
+    return {int(i) for i in ([ids] if isinstance(ids, int) else ids)}
 
 
 def engine_args_fields() -> set[str]:
@@ -110,15 +155,17 @@ def make_engine(
     kv_cache_memory: str,
     role: str = "both",
     max_model_len: int = 1024,
+    dtype: torch.dtype | None = None,
 ) -> Any:
-    """A kvrelay engine over `folder` on the device. `eager` asks for --enforce-eager (CUDA
-    graphs off), raising NotImplementedError where the engine has no such option."""
+    """A kvrelay engine over `folder` on the device (in `dtype`, the run's default if not
+    given). `eager` asks for --enforce-eager (CUDA graphs off), raising NotImplementedError
+    where the engine has no such option."""
     from kvrelay.engine.args import EngineArgs
 
     kwargs: dict[str, Any] = dict(
         model=str(folder),
         device=ctx.device,
-        dtype=str(dtype_of(ctx)).removeprefix("torch."),
+        dtype=str(dtype or dtype_of(ctx)).removeprefix("torch."),
         kv_cache_memory=kv_cache_memory,
         max_num_seqs=max_num_seqs,
         role=role,
@@ -140,16 +187,19 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def greedy(max_tokens: int) -> Any:
+def greedy(max_tokens: int, *, ignore_eos: bool = True) -> Any:
     from kvrelay.engine.sampling import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
-def engine_generate(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy outputs of `prompts`, all added at once (continuous batching)."""
+def engine_generate(
+    engine: Any, prompts: list[list[int]], max_tokens: int, *, ignore_eos: bool = True
+) -> list[list[int]]:
+    """Greedy outputs of `prompts`, all added at once (continuous batching); with
+    `ignore_eos` off a sequence ends at (and includes) an EOS."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, greedy(max_tokens))
+        engine.add_request(str(i), prompt, greedy(max_tokens, ignore_eos=ignore_eos))
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -158,8 +208,12 @@ def engine_generate(engine: Any, prompts: list[list[int]], max_tokens: int) -> l
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def hf_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' greedy `generate`; equal-length prompts go as one static batch."""
+def hf_generate(
+    model: Any, prompts: list[list[int]], max_tokens: int, *, min_new_tokens: bool = True
+) -> list[list[int]]:
+    """transformers' greedy `generate`; equal-length prompts go as one static batch. With
+    `min_new_tokens` every sequence is `max_tokens` long (EOS masked until then: the
+    throughput peer); without, a sequence stops at an EOS (then padded in a batch)."""
     lengths = {len(p) for p in prompts}
     batches = [prompts] if len(lengths) == 1 else [[p] for p in prompts]
     outputs: list[list[int]] = []
@@ -171,7 +225,7 @@ def hf_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> list[l
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
+                min_new_tokens=max_tokens if min_new_tokens else None,
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -198,6 +252,8 @@ COUNTER_NAMES = (
     "graph_replays",
     "graph_captures",
     "eager_steps",
+    "jit_compiles",  # newer than the rest: absent from older checkouts' COUNTERS
+    "jit_compiles_after_ready",
 )
 
 
