@@ -1,17 +1,26 @@
 """Part 3: the engine end to end on the device with random-weight models built on the spot
-(the default model's shape, and a ~1B Llama with head_dim 128): greedy tokens against
-transformers' `generate` on the same weights; the kernel counters proving the CUDA decode
-kernel and CUDA graphs ran; decode step time at batch 1/32/128 with graphs on and off; and
-throughput at 256 concurrent requests against transformers' static batching."""
+(the default model's shape, and a ~1B Llama with head_dim 128):
+
+- exactness: in fp32, TF32 off, greedy tokens EQUAL to transformers' `generate` on the same
+  weights, with graphs and --enforce-eager (engine_exact.py);
+- the kernel counters (and the profiler's own view) proving the CUDA decode kernel and CUDA
+  graphs ran; eager tokens equal to graphed ones (bf16: a parting only at a near-tie);
+- decode steps at batch 1/16/64/256 with graphs on and off: wall time, and with graphs the
+  device's busy time per step (host overhead = their gap); kernels per decoder layer of an
+  eager step (engine_steps.py);
+- throughput at 256 concurrent requests against transformers' static batching and its
+  continuous batching, `generate_batch` (engine_throughput.py);
+- no Triton JIT compile after an engine said it was ready (COUNTERS.jit_compiles_after_ready).
+"""
 
 from __future__ import annotations
 
-import statistics
-import time
+import importlib
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_parts.engine_exact import exact_rows
 from gpu_parts.engine_models import (
     build_model,
     counter_delta,
@@ -19,21 +28,27 @@ from gpu_parts.engine_models import (
     engine_args_fields,
     engine_generate,
     free_device_memory,
-    greedy,
-    hf_generate,
     logit_gap,
     make_engine,
     prompts_of,
 )
-from gpu_parts.report import FAIL, MISS, PASS, SKIP, Context, Deadline, Row, last_line
+from gpu_parts.engine_steps import (
+    kernels_per_layer_row,
+    start_decoding,
+    step_ms,
+    step_rows,
+    stop_decoding,
+)
+from gpu_parts.engine_throughput import throughput_rows
+from gpu_parts.report import FAIL, PASS, SKIP, Context, Deadline, Row, last_line
 
 PART = "3 engine"
 SMOL, BIG = "smollm2-135m", "llama-1b-hd128"
-# Greedy may part from transformers only where its own top two logits are this close: two
-# correct bf16 implementations round differently (fp32 on the CPU: far closer).
+# Eager may part from graphed tokens (both kvrelay's, bf16) only where transformers' own top
+# two logits are this close: split-K partitions may differ between the two (fp32 on the CPU:
+# far closer). Exactness against transformers is engine_exact's fp32 check, with no allowance.
 TIE_GAP = {True: 0.15, False: 1e-3}  # by ctx.cuda
-STEP_TARGET_MS = 3.0  # graphed decode step of the 135M shape at batch 1
-THROUGHPUT_TARGET = 5.0  # x transformers' static batching
+__all__ = ["run", "step_ms"]  # step_ms: the step timing, re-exported for the tests
 
 
 def compare_greedy(
@@ -89,41 +104,6 @@ def counter_rows(label: str, delta: dict[str, int], cuda: bool) -> list[Row]:
     return rows
 
 
-def start_decoding(engine: Any, batch: int, vocab: int, max_tokens: int) -> list[str]:
-    """Add `batch` requests and step until every one has decoded once (prefills done): from
-    then on each step is a pure decode step of `batch` sequences. Returns their ids."""
-    ids = [f"step{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, prompts_of([32] * batch, vocab, seed=batch), strict=True):
-        engine.add_request(rid, prompt, greedy(max_tokens))
-    decoded: dict[str, int] = {}
-    for _ in range(10_000):  # prefills first (chunked), then one decode step each
-        for output in engine.step():
-            decoded[output.request_id] = len(output.outputs[0].token_ids)
-        if len(decoded) == batch and min(decoded.values()) >= 2:
-            break
-    return ids
-
-
-def stop_decoding(engine: Any, ids: list[str]) -> None:
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
-def step_ms(engine: Any, batch: int, vocab: int, steps: int) -> float:
-    """Median wall time of a pure-decode step with `batch` running sequences (each step ends
-    with the engine's one host sync, for the sampled tokens)."""
-    ids = start_decoding(engine, batch, vocab, steps + 64)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    stop_decoding(engine, ids)
-    return statistics.median(times) * 1e3
-
-
 def profiler_row(label: str, engine: Any, vocab: int) -> Row:
     """What the GPU itself ran during 5 decode steps (torch.profiler / CUPTI), independent of
     kvrelay's own counters: kvrelay's decode kernel, and graph launches."""
@@ -147,52 +127,6 @@ def profiler_row(label: str, engine: Any, vocab: int) -> Row:
     return Row(PART, check, PASS if decode > 0 else FAIL, value, "> 0")
 
 
-def step_rows(
-    ctx: Context, deadline: Deadline, label: str, engine: Any, vocab: int, mode: str
-) -> list[Row]:
-    rows = []
-    for batch in (1, 4) if ctx.small else (1, 32, 128):
-        check = f"{label} decode step, {mode}, batch {batch}"
-        if deadline.expired():
-            rows.append(Row(PART, check, SKIP, note="time budget"))
-            continue
-        ms = step_ms(engine, batch, vocab, 5 if ctx.small else 30)
-        target, status = "", PASS
-        if label == "135M" and mode == "graphs" and batch == 1 and ctx.cuda:
-            target = f"< {STEP_TARGET_MS:.0f} ms"
-            status = PASS if ms < STEP_TARGET_MS else MISS
-        rows.append(Row(PART, check, status, f"{ms:.2f} ms", target))
-        ctx.shared[f"step:{label}:{mode}:{batch}"] = ms
-    return rows
-
-
-def throughput_row(ctx: Context, engine: Any, hf: Any, vocab: int) -> Row:
-    """Output tokens/s of 256 concurrent requests (64 in, 128 out) against one static batch
-    of transformers' generate on the same prompts."""
-    count, prompt_len, out_len = (8, 16, 8) if ctx.small else (256, 64, 128)
-    prompts = prompts_of([prompt_len] * count, vocab, seed=11)
-    engine_generate(engine, prompts[:4], 4)  # warm-up (compiles, first launches)
-    start = time.perf_counter()
-    engine_generate(engine, prompts, out_len)
-    ours = count * out_len / (time.perf_counter() - start)
-    hf_generate(hf, prompts[:2], 2)
-    start = time.perf_counter()
-    hf_generate(hf, prompts, out_len)
-    theirs = count * out_len / (time.perf_counter() - start)
-    ratio = ours / theirs
-    check = f"135M throughput, {count} concurrent vs transformers static batch"
-    value = f"{ours:.0f} vs {theirs:.0f} tok/s = {ratio:.1f}x"
-    if not ctx.cuda:
-        return Row(PART, check, PASS, value, note="target applies on a GPU")
-    return Row(
-        PART,
-        check,
-        PASS if ratio >= THROUGHPUT_TARGET else MISS,
-        value,
-        f">= {THROUGHPUT_TARGET:.0f}x",
-    )
-
-
 @dataclass(frozen=True)
 class Greedy:
     """One model's greedy run with CUDA graphs on: what the eager run must reproduce."""
@@ -204,8 +138,9 @@ class Greedy:
 
 
 def model_rows(ctx: Context, deadline: Deadline, name: str, label: str) -> list[Row]:
-    """Greedy equality, counters and step times (graphs on) for one model shape, and for the
-    135M shape the throughput comparison; then the same with graphs off."""
+    """In the run's dtype (bf16 on a GPU): counters and step times with graphs on, for the
+    135M shape the throughput comparison; then with graphs off: eager tokens equal to the
+    graphed ones, step times, and for the 135M shape kernels per layer."""
     folder, hf = build_model(ctx, name)
     vocab = hf.config.vocab_size
     prompts = prompts_of([5, 17, 9] if ctx.small else [5, 17, 33, 64, 130], vocab, seed=3)
@@ -214,27 +149,30 @@ def model_rows(ctx: Context, deadline: Deadline, name: str, label: str) -> list[
     before = counters()
     engine = make_engine(ctx, folder, eager=False, max_num_seqs=256, kv_cache_memory=memory)
     ours = engine_generate(engine, prompts, max_tokens)
-    delta = counter_delta(before, counters())
-    theirs = hf_generate(hf, prompts, max_tokens)
-    check = f"{label}: greedy tokens vs transformers"
-    rows = [compare_greedy(ctx, check, hf, prompts, ours, theirs)]
-    rows += counter_rows(label, delta, ctx.cuda)
+    rows = counter_rows(label, counter_delta(before, counters()), ctx.cuda)
     if ctx.cuda and not deadline.expired():
         rows.append(profiler_row(label, engine, vocab))
     rows += step_rows(ctx, deadline, label, engine, vocab, "graphs")
     if name == SMOL and not deadline.expired():
-        rows.append(throughput_row(ctx, engine, hf, vocab))
+        rows += throughput_rows(ctx, deadline, engine, hf, vocab)
     del engine
     free_device_memory()
     greedy_run = Greedy(hf, prompts, max_tokens, ours)
-    rows += eager_rows(ctx, deadline, label, folder, memory, greedy_run)
+    rows += eager_rows(ctx, deadline, name, label, folder, memory, greedy_run)
     return rows
 
 
 def eager_rows(
-    ctx: Context, deadline: Deadline, label: str, folder: Any, memory: str, graphed: Greedy
+    ctx: Context,
+    deadline: Deadline,
+    name: str,
+    label: str,
+    folder: Any,
+    memory: str,
+    graphed: Greedy,
 ) -> list[Row]:
-    """With --enforce-eager: the graphed run's greedy tokens again, and step times."""
+    """With --enforce-eager: the graphed run's greedy tokens again, step times, and for the
+    135M shape the kernels per decoder layer."""
     check = f"{label}: eager tokens vs graphed (--enforce-eager)"
     if deadline.expired():
         return [Row(PART, check, SKIP, note="time budget")]
@@ -244,14 +182,56 @@ def eager_rows(
         return [Row(PART, check, SKIP, note=f"n/a: {exc}")]
     eager = engine_generate(engine, graphed.prompts, graphed.max_tokens)
     rows = [compare_greedy(ctx, check, graphed.hf, graphed.prompts, eager, graphed.graphed)]
-    rows += step_rows(ctx, deadline, label, engine, graphed.hf.config.vocab_size, "eager")
+    vocab = graphed.hf.config.vocab_size
+    rows += step_rows(ctx, deadline, label, engine, vocab, "eager")
+    if name == SMOL and not deadline.expired():
+        layers = graphed.hf.config.num_hidden_layers
+        rows.append(kernels_per_layer_row(ctx, label, name, engine, layers, vocab))
     del engine
     free_device_memory()
     return rows
 
 
+def jit_row(now: dict[str, int] | None, cuda: bool, ready: bool | None) -> Row:
+    """Triton compiles after an engine said it was ready (each one stalled a serving step):
+    must be 0. n/a where the counter is missing, or nothing shows the hook counting (no
+    compile at all, or no engine marked itself ready: `ready` False)."""
+    check, target = "no Triton JIT compile after the engine was ready", "0"
+    if now is None or "jit_compiles_after_ready" not in now:
+        note = "n/a: COUNTERS has no jit_compiles_after_ready in this checkout"
+        return Row(PART, check, SKIP, target=target, note=note)
+    after, total = now["jit_compiles_after_ready"], now.get("jit_compiles", 0)
+    value = f"{after} after ready ({total} compiles in all)"
+    if not cuda:
+        return Row(PART, check, SKIP, value, target, "no CUDA device: no Triton kernel compiled")
+    if total == 0:
+        note = "n/a: no compile counted (Triton's jit_cache_hook not installed?)"
+        return Row(PART, check, SKIP, value, target, note)
+    if ready is False:
+        note = "n/a: no engine marked itself ready (jit_watch.warming_up unused)"
+        return Row(PART, check, SKIP, value, target, note)
+    return Row(PART, check, PASS if after == 0 else FAIL, value, target)
+
+
+def engine_was_ready() -> bool | None:
+    """Whether jit_watch saw an engine become ready (None: no way to tell here)."""
+    try:
+        module = importlib.import_module("kvrelay_kernels.jit_watch")
+    except ImportError:
+        return None
+    state = getattr(module, "_state", None)
+    return bool(state.get("ready")) if isinstance(state, dict) else None
+
+
 def run(ctx: Context, deadline: Deadline) -> list[Row]:
+    """fp32 exactness first (the correctness check), then each model in bf16, then the JIT
+    counter over everything the part ran."""
     rows: list[Row] = []
+    try:
+        rows += exact_rows(ctx, deadline, SMOL, "135M")
+    except Exception as exc:  # the models below still run
+        traceback.print_exc()
+        rows.append(Row(PART, "135M fp32 exactness", FAIL, note=last_line(exc)))
     for name, label in ((SMOL, "135M"), (BIG, "1B")):
         if deadline.expired():
             rows.append(Row(PART, f"{label} model", SKIP, note="time budget"))
@@ -265,4 +245,5 @@ def run(ctx: Context, deadline: Deadline) -> list[Row]:
             if name == BIG:  # part 4 uses the 135M shape only
                 ctx.shared.pop(f"model:{name}", None)
             free_device_memory()
+    rows.append(jit_row(counters(), ctx.cuda, engine_was_ready()))
     return rows

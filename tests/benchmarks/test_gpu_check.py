@@ -94,10 +94,22 @@ def test_the_dry_run_passes_without_ray_grpc_fastapi_or_nixl(
     by_check = {r[1]: r for r in rows}
     # The real checks ran on the CPU: kernels through the harness, greedy tokens, transfers.
     assert by_check["cpu backend, decode (harness self-test)"][2] == "PASS"
-    assert by_check["135M: greedy tokens vs transformers"][2] == "PASS"
-    assert by_check["1B: greedy tokens vs transformers"][2] == "PASS"
+    for mode in ("graphs", "--enforce-eager"):
+        row = by_check[f"135M fp32: greedy tokens == transformers, {mode}"]
+        assert row[2:5] == ["PASS", "8/8 equal", "all equal"], row
     assert by_check["135M: eager tokens vs graphed (--enforce-eager)"][2] == "PASS"
     assert by_check["staging: tokens unchanged"][2] == "PASS"
+    # Every new part 3 row's code path ran: profiled steps, both transformers peers, kernels
+    # per layer (CPU ops on a CPU), the JIT counter.
+    assert by_check["135M decode step, graphs, batch 1"][4] == "<= 0.6 ms"
+    assert by_check["1B decode step, graphs, batch 1"][4] == "<= 1.0 ms"
+    assert by_check["135M throughput, 8 concurrent (16 in / 8 out)"][2] == "PASS"
+    assert by_check["135M throughput vs transformers generate_batch"][2] == "PASS"
+    assert by_check["135M throughput vs transformers static batch"][2] == "PASS"
+    layers = by_check["135M kernels per decoder layer (eager decode step)"]
+    assert "CPU ops per layer" in layers[3] and "counted CPU ops" in layers[-1]
+    jit = by_check["no Triton JIT compile after the engine was ready"]
+    assert jit[2] == "SKIP" and "after ready" in jit[3]
     # gRPC and NIXL were blocked: reported, not crashed.
     for name in ("grpc", "nixl"):
         row = by_check[f"{name}: tokens unchanged"]
