@@ -1,11 +1,16 @@
 """The dispatch mode behind fake CUDA: tensors on `cuda` are fake (shapes, dtypes, strides, no
 data), host tensors stay real, and while `strict` every host-device rule of a decode step is
 enforced. A broken rule raises at once and is recorded too, because the engine catches some
-errors itself (a sampling failure fails one request) and a test must still see it."""
+errors itself (a sampling failure fails one request) and a test must still see it.
+
+For measurements it also keeps the rig's own CPU time (RigClock), counts the ops it was called
+for, and tells observers of each device op (launches.py counts launches that way); it neither
+decides what a launch is nor corrects any timing itself (benchmarks/host_overhead.py does)."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,6 +27,43 @@ _aten = torch.ops.aten
 COPIES = (_aten._to_copy, _aten.copy_, _aten.to)  # the ops that move data between devices
 # Where `non_blocking` sits among the positional arguments of the copies that take it so.
 _NON_BLOCKING_AT = {_aten.copy_.default: 2, _aten.to.device: 3}
+# Called with (func, args, kwargs, result) after each op on the device, strict or not
+# (launches.py counts them).
+DeviceOpObserver = Callable[[Any, Any, dict[str, Any], Any], None]
+
+
+class RigClock:
+    """CPU seconds this thread spends on the rig's own work: fake-tensor dispatch and the
+    kernel stand-ins' checks, which a run on a real GPU does not do (benchmarks/
+    host_overhead.py subtracts them). Nested spans (an op dispatched inside a stand-in) count
+    once. CPU time, not wall time: on a shared machine the wall clock also runs while other
+    processes have the core, and the rig's share of that would be a guess (a read costs
+    about 1 us here, next to 100+ us of fake dispatch)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+        self._since = 0.0
+
+    def start(self) -> None:
+        if self._depth == 0:
+            self._since = time.thread_time()
+        self._depth += 1
+
+    @property
+    def running(self) -> bool:
+        return self._depth > 0
+
+    def elapsed(self) -> float:
+        """`seconds`, with the open span's time so far (a profiler's timer reads it)."""
+        if self._depth:
+            return self.seconds + time.thread_time() - self._since
+        return self.seconds
+
+    def stop(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.thread_time() - self._since
 
 
 class FakeCudaMode(TorchDispatchMode):
@@ -35,6 +77,13 @@ class FakeCudaMode(TorchDispatchMode):
         self.uploads = 0  # non-blocking host -> device copies while strict
         self.device_ops = 0  # ops on fake CUDA tensors while strict
         self.pinned_allocations = 0
+        # For measurements: the ops this mode was called for outside the clock's spans, on the
+        # host and on the device (each paid torch's C++ -> Python trip, which the clock cannot
+        # time), the rig's own CPU time, and the device ops' observers.
+        self.host_dispatches = 0
+        self.device_dispatches = 0
+        self.clock = RigClock()
+        self.device_op_observers: list[DeviceOpObserver] = []
 
     @contextlib.contextmanager
     def strict_rules(self) -> Iterator[None]:
@@ -46,25 +95,47 @@ class FakeCudaMode(TorchDispatchMode):
             self.strict = before
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if kwargs.get("pin_memory"):
-            # No pinned allocator without CUDA: a plain host buffer stands in (counted).
-            kwargs["pin_memory"] = False
-            self.pinned_allocations += 1
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        fakes = [t for t in tensors if isinstance(t, FakeTensor)]
-        target = _target_device(func, args, kwargs)
-        if not fakes and (target is None or target.type != "cuda"):
-            return func(*args, **kwargs)  # host work: real tensors, real values
+        outermost = not self.clock.running
+        # Timed as the rig's, except a host op's own call: a run on a GPU makes that one too.
+        self.clock.start()
+        try:
+            kwargs = dict(kwargs or {})
+            if kwargs.get("pin_memory"):
+                # No pinned allocator without CUDA: a plain host buffer stands in (counted).
+                kwargs["pin_memory"] = False
+                self.pinned_allocations += 1
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            fakes = [t for t in tensors if isinstance(t, FakeTensor)]
+            target = _target_device(func, args, kwargs)
+            if fakes or (target is not None and target.type == "cuda"):
+                self.device_dispatches += outermost
+                return self._device_op(func, args, kwargs, tensors, fakes, target)
+            self.host_dispatches += outermost
+        finally:
+            self.clock.stop()
+        return func(*args, **kwargs)  # host work: real tensors, real values
+
+    def _device_op(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor],
+        fakes: Sequence[torch.Tensor],
+        target: torch.device | None,
+    ) -> Any:
         if self.strict:
             self.device_ops += 1
             self._check(func, args, kwargs, tensors, fakes, target)
         with self.fake:
             try:
-                return func(*tree_map(self._to_fake, args), **tree_map(self._to_fake, kwargs))
+                out = func(*tree_map(self._to_fake, args), **tree_map(self._to_fake, kwargs))
             except DataDependentOutputException:
                 self._violate(f"{func}: reads a device value on the host (a sync)")
                 raise
+        for observe in self.device_op_observers:
+            observe(func, args, kwargs, out)
+        return out
 
     def _to_fake(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
