@@ -258,8 +258,7 @@ def start_decoding(engine: Engine, batch: int, tag: str) -> list[str]:
 
 def stop(engine: Engine, ids: list[str]) -> None:
     for request_id in ids:
-        engine.abort(request_id)
-    assert not engine.has_unfinished_requests()
+        engine.abort(request_id)  # frees their blocks: the next batch starts on an empty cache
 
 
 def measure_window(engine: Engine, rig: Rig, steps: int) -> Window:
@@ -422,22 +421,26 @@ def phases(engine: Engine, rig: Rig, steps: int) -> None:
                 engine.step()
         finally:
             gc.enable()
-    progress(f"host ms per step by part ({steps} steps, the rig excluded): own work, device")
-    progress(f"ops, and the two with {LAUNCH_US:g} us per op (as the table's corrected figure)")
-    for name in parts:
+    print_parts(list(parts), spent, calls, steps)
+
+
+def print_parts(
+    names: list[str], spent: dict[str, float], calls: dict[str, int], steps: int
+) -> None:
+    """`phases`' table: each part's own ms per step, device ops, and the two together."""
+    progress(f"host ms/step by part, {steps} steps: own, device ops, +{LAUNCH_US:g} us per op")
+    for name in names:
         depth = name.count(".")
-        inside = [n for n in parts if n.startswith(name + ".") and n.count(".") == depth + 1]
+        inside = [n for n in names if n.startswith(name + ".") and n.count(".") == depth + 1]
         rows = [(name.rsplit(".", 1)[-1], depth, spent[name], calls[name])]
         if inside:
             other = (spent[name] - sum(spent[n] for n in inside),
                      calls[name] - sum(calls[n] for n in inside))  # fmt: skip
             rows.append(("(other)", depth + 1, *other))
-        for label, indent, seconds, ops in rows:
-            ms, launched = seconds * 1e3 / steps, ops / steps
-            total = ms + launched * LAUNCH_US / 1e3
-            progress(
-                f"{'  ' * indent}{label:<{36 - 2 * indent}}{ms:8.3f}{launched:7.1f}{total:8.3f}"
-            )
+        for label, indent, seconds, count in rows:
+            ms, ops = seconds * 1e3 / steps, count / steps
+            total = ms + ops * LAUNCH_US / 1e3
+            progress(f"{'  ' * indent}{label:<{36 - 2 * indent}}{ms:8.3f}{ops:7.1f}{total:8.3f}")
 
 
 def table(rows: list[Row], cal: Calibration) -> str:
@@ -473,9 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     monkeypatch = pytest.MonkeyPatch()
     try:
         rig = install_rig(monkeypatch)
-        cal = rig.calibration
-        progress(f"fake CUDA dispatch outside the clock: {cal.host_s * 1e6:.1f} us per host op, "
-                 f"{cal.device_s * 1e6:.1f} us per device op")  # fmt: skip
+        trips = rig.calibration.host_s * 1e6, rig.calibration.device_s * 1e6
+        progress("rig trips: {:.1f} us a host op, {:.1f} us a device op".format(*trips))
         with tempfile.TemporaryDirectory(prefix="host-overhead-") as folder:
             progress(f"writing a random {args.shape} Llama")
             model = _write(args.shape, args.layers, Path(folder))
