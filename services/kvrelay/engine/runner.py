@@ -6,11 +6,14 @@ does) nor what a token means for the request (the engine does).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvrelay.engine.cuda_graphs import DecodeGraphs
@@ -90,38 +93,48 @@ def build_batch_inputs(
     num_blocks: int | None = None,
 ) -> BatchInputs:
     """Flatten the chunks into token, position, slot and block-table tensors, on the host (the
-    plan reads their values: on a device that would be a sync); `BatchInputs.to` uploads."""
+    plan reads their values: on a device that would be a sync); `BatchInputs.to` uploads.
+
+    Vectorized over the batch (numpy): at 256 running requests a per-token Python loop cost
+    ~4 ms a step, more than an H200 takes to run the step (benchmarks/host_overhead.py)."""
+    n = len(chunks)
+    q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+    starts = np.fromiter((c.start for c in chunks), np.int64, n)
+    query_start_loc = np.zeros(n + 1, np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
     token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    query_start_loc = [0]
-    logits_indices: list[int] = []
-    for chunk, table in zip(chunks, block_tables, strict=True):
+    for chunk in chunks:
         token_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
-        span = range(chunk.start, chunk.end)
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-        seq_lens.append(chunk.end)
-        query_start_loc.append(len(token_ids))
-        if chunk.samples:
-            logits_indices.append(len(token_ids) - 1)
-    width = max(len(t) for t in block_tables)
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    seq_of_token = np.repeat(np.arange(n), q_lens)  # [T] the chunk each token belongs to
+    positions = np.arange(len(token_ids)) - query_start_loc[seq_of_token] + starts[seq_of_token]
+    table = padded_block_table(block_tables)
+    slots = table[seq_of_token, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    samples = np.fromiter((c.samples for c in chunks), np.bool_, n)
     attn = AttentionInputs.build(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.tensor(padded, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(table),
+        seq_lens=torch.from_numpy((starts + q_lens).astype(np.int32)),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
         block_size=block_size,
         num_blocks=num_blocks,
     )
     return BatchInputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
+        positions=torch.from_numpy(positions),
         attn=attn,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1),
     )
+
+
+def padded_block_table(block_tables: Sequence[list[int]]) -> npt.NDArray[np.int32]:
+    """`[len(block_tables), longest]` int32, each table's block ids then zeros."""
+    lens = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+    table = np.zeros((len(block_tables), int(lens.max())), np.int32)
+    # Row-major order of the mask is the tables' order, one after the other.
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int32, int(lens.sum()))
+    table[np.arange(table.shape[1]) < lens[:, None]] = flat
+    return table
 
 
 class StepTensors(NamedTuple):
