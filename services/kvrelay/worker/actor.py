@@ -37,7 +37,7 @@ from kvrelay.transfer.factory import create_connector
 from kvrelay.transfer.network import KVNetwork
 from kvrelay.worker.channel import ChannelEndpoint
 from kvrelay.worker.deltas import DeltaTracker
-from kvrelay.worker.engine_builder import build_worker_engine
+from kvrelay.worker.engine_builder import build_worker_engine, freeze_start_up_objects
 from kvrelay.worker.engine_loop import EngineLoop
 from kvrelay.worker.priority import raise_engine_priority
 
@@ -77,10 +77,14 @@ class EngineWorker(ChannelEndpoint):
         num_threads: int = 1,
         connector_options: dict[str, Any] | None = None,
         kv_secret: KVSecret | None = None,
+        *,
+        own_process: bool = False,
     ) -> None:
         """`kv_secret`: the deployment's KV transfer secret (default: from the environment,
         $KVRELAY_KV_SECRET or $KVRELAY_KV_SECRET_FILE); a prefill or decode worker refuses to
-        start without one."""
+        start without one. `own_process`: the worker has the process to itself (a Ray actor),
+        so its start-up objects are frozen out of the garbage collector's walks once built
+        (`freeze_start_up_objects`)."""
         raise_engine_priority()  # before the engine's threads start: they inherit it
         args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs(**engine_args)
         self.role = Role(role)
@@ -96,6 +100,8 @@ class EngineWorker(ChannelEndpoint):
         # Set by a router's drain call; every router replica reads it when it polls status()
         # and sends no new request here (those in flight finish).
         self.state = DrainState.SERVING
+        if own_process:
+            freeze_start_up_objects()
 
     async def prefill(
         self,

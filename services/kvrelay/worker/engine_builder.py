@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import shlex
 import threading
@@ -60,6 +61,19 @@ def build_worker_engine(args: EngineArgs) -> Engine:
     built on a thread of its own (`in_passing_thread`)."""
     bound_onednn_caches()
     return in_passing_thread(lambda: apply_env_overrides(args).create_engine(with_tokenizer=False))
+
+
+def freeze_start_up_objects() -> None:
+    """Move every object alive after start-up (the model, torch's and Ray's modules) out of
+    the garbage collector's sight, as vLLM does: CPython's full collections walk every tracked
+    object, and in a worker those are mostly start-up objects that live as long as it does.
+    Measured on the 2-core CI machine, 256 running requests, the engine's step loop without
+    the model: a full collection every ~100 steps stalled one step for 189 ms (mean step 3.5
+    ms); frozen, the longest step was 4.2 ms (mean 2.8). Objects created later are collected
+    as before. For a process that serves until it ends (a worker), never for a caller's own
+    process: an object frozen here is never collected, even once unreachable in a cycle."""
+    gc.collect()
+    gc.freeze()
 
 
 def in_passing_thread(build: Callable[[], T]) -> T:

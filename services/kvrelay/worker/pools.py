@@ -81,7 +81,7 @@ def spawn_worker(
     # dashboard list an actor's runtime_env, not its arguments.
     return actor.remote(
         actor_engine_args(engine_args), Role(role).value, transfer_backend, num_threads, None,
-        kv_secret,
+        kv_secret, own_process=True,
     )  # fmt: skip
 
 
