@@ -23,7 +23,7 @@ import torch
 from kvrelay_kernels import reference, triton_backend
 from kvrelay_kernels.counters import COUNTERS
 from kvrelay_kernels.plan import AttentionPlan, plan_on_device
-from kvrelay_kernels.split import split_attention
+from kvrelay_kernels.split import VarlenKernel, split_attention
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +231,15 @@ def paged_attention(
             reference.prefill_attention(query, kv_cache, layer, plan, scale, result)
         return result
 
+    prefill = _triton_prefill(kv_cache, layer, scale)
+    return split_attention(
+        query, block_tables, seq_lens, query_start_loc, plan, out, decode, prefill
+    )
+
+
+def _triton_prefill(kv_cache: torch.Tensor, layer: int, scale: float) -> VarlenKernel:
+    """The Triton varlen kernel over a split step's prefill rows (split.py's VarlenKernel)."""
+
     def prefill(
         q: torch.Tensor,
         tables: torch.Tensor,
@@ -243,9 +252,7 @@ def paged_attention(
             q, kv_cache, layer, tables, lens, qsl, scale, out=into
         )
 
-    return split_attention(
-        query, block_tables, seq_lens, query_start_loc, plan, out, decode, prefill
-    )
+    return prefill
 
 
 def _without_decode_kernel(

@@ -41,6 +41,66 @@ def _rotate(x1, x2, cos, sin):  # type: ignore[no-untyped-def]  # triton params
     return round_to(a - b, dtype), round_to(c + d, dtype)
 
 
+@triton.jit
+def _rope_q(  # type: ignore[no-untyped-def]  # triton params
+    row,
+    q_dst_row,
+    cos,
+    sin,
+    j,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr,
+):
+    """One token's q heads: [heads, half] tiles of both halves, rotated into its q row."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    heads = tl.arange(0, HEADS_P)[:, None]
+    q_mask = (heads < NUM_HEADS) & (j < HALF)
+    q_src = row + heads * HEAD_DIM + j
+    q1, q2 = _rotate(tl.load(q_src, mask=q_mask), tl.load(q_src + HALF, mask=q_mask), cos, sin)
+    q_dst = q_dst_row + heads * HEAD_DIM + j
+    tl.store(q_dst, q1, mask=q_mask)
+    tl.store(q_dst + HALF, q2, mask=q_mask)
+
+
+@triton.jit
+def _rope_k_and_write_kv(  # type: ignore[no-untyped-def]  # triton params
+    row,
+    slot_base,
+    slot,
+    cos,
+    sin,
+    j,
+    stride_kv,
+    stride_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_HEADS_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+):
+    """One token's k (rotated) and v into its cache slot. A negative slot is a padding
+    token: nothing is read from or written to the cache for it. (The slot test is broadcast
+    to the tile explicitly: the interpreter rejects a scalar mask.)"""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    kv_heads = tl.arange(0, KV_HEADS_P)[:, None]
+    slots = tl.zeros((KV_HEADS_P, HALF_P), tl.int64) + slot
+    k_mask = (kv_heads < NUM_KV_HEADS) & (j < HALF) & (slots >= 0)
+    k_src = row + (NUM_HEADS + kv_heads) * HEAD_DIM + j
+    k1, k2 = _rotate(tl.load(k_src, mask=k_mask), tl.load(k_src + HALF, mask=k_mask), cos, sin)
+    k_dst = slot_base + kv_heads * stride_head + j
+    tl.store(k_dst, round_to(k1, slot_base.dtype.element_ty), mask=k_mask)
+    tl.store(k_dst + HALF, round_to(k2, slot_base.dtype.element_ty), mask=k_mask)
+
+    dims = tl.arange(0, HEAD_DIM_P)[None, :]
+    v_slots = tl.zeros((KV_HEADS_P, HEAD_DIM_P), tl.int64) + slot
+    v_mask = (kv_heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (v_slots >= 0)
+    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims, mask=v_mask)
+    v_dst = slot_base + stride_kv + kv_heads * stride_head + dims
+    tl.store(v_dst, round_to(v, slot_base.dtype.element_ty), mask=v_mask)
+
+
 @triton.jit(do_not_specialize=["stride_qkv", "stride_cos", "stride_sin", "layer"])
 def _rope_kv_kernel(  # type: ignore[no-untyped-def]  # triton params
     qkv_ptr,
@@ -79,41 +139,19 @@ def _rope_kv_kernel(  # type: ignore[no-untyped-def]  # triton params
     sin_row = sin_ptr + tl.multiple_of(t * stride_sin, TABLE_ALIGN)
     cos = tl.load(cos_row + j, mask=j < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_row + j, mask=j < HALF, other=0.0).to(tl.float32)
-
-    # q: [heads, half] tiles of both halves, rotated into the contiguous output.
-    heads = tl.arange(0, HEADS_P)[:, None]
-    q_mask = (heads < NUM_HEADS) & (j < HALF)
-    q_src = row + heads * HEAD_DIM + j
-    q1, q2 = _rotate(tl.load(q_src, mask=q_mask), tl.load(q_src + HALF, mask=q_mask), cos, sin)
-    q_dst = q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + heads * HEAD_DIM + j
-    tl.store(q_dst, q1, mask=q_mask)
-    tl.store(q_dst + HALF, q2, mask=q_mask)
-
-    # k and v into the cache slot. A negative slot is a padding token: nothing is read from
-    # or written to the cache for it. (The slot test is broadcast to the tile explicitly: the
-    # interpreter rejects a scalar mask.)
+    q_dst_row = q_out_ptr + t * (NUM_HEADS * HEAD_DIM)
+    _rope_q(row, q_dst_row, cos, sin, j, NUM_HEADS, HEAD_DIM, HEADS_P)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    kv_heads = tl.arange(0, KV_HEADS_P)[:, None]
-    slots = tl.zeros((KV_HEADS_P, HALF_P), tl.int64) + slot
-    k_mask = (kv_heads < NUM_KV_HEADS) & (j < HALF) & (slots >= 0)
     slot_base = (
         cache_ptr
         + layer.to(tl.int64) * stride_layer
         + (slot // BLOCK_SIZE) * stride_block
         + (slot % BLOCK_SIZE) * stride_token
     )
-    k_src = row + (NUM_HEADS + kv_heads) * HEAD_DIM + j
-    k1, k2 = _rotate(tl.load(k_src, mask=k_mask), tl.load(k_src + HALF, mask=k_mask), cos, sin)
-    k_dst = slot_base + kv_heads * stride_head + j
-    tl.store(k_dst, round_to(k1, cache_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k_dst + HALF, round_to(k2, cache_ptr.dtype.element_ty), mask=k_mask)
-
-    dims = tl.arange(0, HEAD_DIM_P)[None, :]
-    v_slots = tl.zeros((KV_HEADS_P, HEAD_DIM_P), tl.int64) + slot
-    v_mask = (kv_heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (v_slots >= 0)
-    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims, mask=v_mask)
-    v_dst = slot_base + stride_kv + kv_heads * stride_head + dims
-    tl.store(v_dst, round_to(v, cache_ptr.dtype.element_ty), mask=v_mask)
+    _rope_k_and_write_kv(
+        row, slot_base, slot, cos, sin, j, stride_kv, stride_head,
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_HEADS_P, HALF_P, HEAD_DIM_P,
+    )  # fmt: skip
 
 
 def kernel_constants(
@@ -238,26 +276,11 @@ def rope_and_write_kv(
     if num_tokens == 0:
         return q
     row_align, table_align = alignment(qkv.stride(0)), alignment(cos.stride(0), sin.stride(0))
-    _rope_kv_kernel[(num_tokens,)](
-        qkv,
-        cos,
-        sin,
-        q,
-        kv_cache,
-        slot_mapping,
-        qkv.stride(0),
-        cos.stride(0),
-        sin.stride(0),
-        layer,
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        kv_cache.stride(4),
-        **kernel_constants(
-            num_heads, num_kv_heads, head_dim, kv_cache.shape[3], row_align, table_align
-        ),
-        num_warps=NUM_WARPS,
-        **LAUNCH_OPTIONS,
+    constants = kernel_constants(
+        num_heads, num_kv_heads, head_dim, kv_cache.shape[3], row_align, table_align
     )
+    _rope_kv_kernel[(num_tokens,)](
+        qkv, cos, sin, q, kv_cache, slot_mapping, qkv.stride(0), cos.stride(0), sin.stride(0),
+        layer, *kv_cache.stride()[:5], **constants, num_warps=NUM_WARPS, **LAUNCH_OPTIONS,
+    )  # fmt: skip
     return q
