@@ -116,11 +116,21 @@ class ParentRequest:
 
     def metrics(self) -> dict[str, float]:
         """Timestamps (time.monotonic() seconds) and cache use so far; see RequestOutput."""
+        children = self.children
+        if len(children) == 1:  # every step, for every running request: the short way
+            only = children[0]
+            metrics = {
+                "arrival_time": only.arrival_time,
+                "num_cached_tokens": float(only.num_cached_tokens),
+            }
+            if only.first_token_time is not None:
+                metrics["first_token_time"] = only.first_token_time
+            return metrics
         metrics = {
-            "arrival_time": min(child.arrival_time for child in self.children),
-            "num_cached_tokens": float(self.children[0].num_cached_tokens),
+            "arrival_time": min(child.arrival_time for child in children),
+            "num_cached_tokens": float(children[0].num_cached_tokens),
         }
-        first = [c.first_token_time for c in self.children if c.first_token_time is not None]
+        first = [c.first_token_time for c in children if c.first_token_time is not None]
         if first:
             metrics["first_token_time"] = min(first)
         return metrics

@@ -121,6 +121,8 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         assert not (table and cached_blocks), "cached blocks are only for a new table"
         pool = self.pool
+        if self._fits_unshared(table, num_total_tokens, num_computed_tokens):
+            return True  # most decodes: the token lands in a block the request owns alone
         first_written = num_computed_tokens // self.block_size
         cow = [i for i in range(first_written, len(table)) if pool.ref_count(table[i]) > 1]
         have = len(table) + len(cached_blocks)
@@ -144,6 +146,14 @@ class KVCacheManager:
             self._copies.setdefault(request_id, []).append((src, dst))
         table.extend(new_blocks)
         return True
+
+    def _fits_unshared(self, table: list[int], num_total: int, num_computed: int) -> bool:
+        """Whether the table already holds `num_total` tokens and every block written from
+        `num_computed` on has this request as its only owner (no allocation, no copy)."""
+        if not table or num_total > len(table) * self.block_size:
+            return False
+        ref_count = self.pool.ref_count
+        return all(ref_count(b) == 1 for b in table[num_computed // self.block_size :])
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's computed full blocks in the prefix cache (after a step)."""
