@@ -221,6 +221,29 @@ class FakeGpuFusedOps:
         return torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
 
 
+def fake_sample_rows(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """`triton_sampling.sample_rows`: one launch over the non-greedy rows."""
+    _on_device(x=x, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+               uniforms=uniforms)  # fmt: skip
+    rows = x.shape[0]
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise RuntimeError("sample_rows: x is fp32 [R, V], rows contiguous")
+    for name, t in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+                    ("uniforms", uniforms), ("top_k", top_k)):  # fmt: skip
+        want = (torch.int32, torch.int64) if name == "top_k" else (torch.float32,)
+        if t.shape != (rows,) or t.dtype not in want or t.stride(0) != 1:
+            raise RuntimeError(f"sample_rows: {name} must be a contiguous [{rows}] of {want}")
+    LOG.calls.append(("sample_rows", rows))
+    return torch.empty(rows, dtype=torch.int64, device=x.device)
+
+
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route cuda_backend's compiled module and the Triton kernel to the stand-ins. (Triton is
     imported here, not above: a pytest session that imports it before tests/kernels/
@@ -230,3 +253,6 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cuda_backend._state, "module", FakeCudaKernels)
     monkeypatch.setitem(gpu_fused._state, "ops", FakeGpuFusedOps)
     monkeypatch.setattr(triton_attention, "paged_attention", fake_triton_attention)
+    from kvrelay.engine import sampler
+
+    monkeypatch.setitem(sampler._device_state, "sample_rows", fake_sample_rows)

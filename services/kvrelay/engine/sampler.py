@@ -6,7 +6,9 @@ Pure library: no I/O, never modifies the logits it is given.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib.util
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,6 +34,13 @@ MAX_REPETITION_PENALTY = 2.0**20
 # Above this every realistic logit spread (< 1e3) is flattened to within 0.1% of uniform, so
 # the clamp changes nothing measurable; 1e300 would round to inf in fp32 and -inf / inf = NaN.
 MAX_TEMPERATURE = 2.0**20
+
+# The Triton sampler (kvrelay_kernels/triton_sampling.py) under "sample_rows", imported on the
+# first CUDA batch only (a CPU process never imports Triton from here); None without Triton.
+# Tests put stand-ins here (tests/fake_cuda/kernels.py).
+DeviceSampler = Callable[..., torch.Tensor]
+_device_state: dict[str, DeviceSampler | None] = {}
+_device_lock = threading.Lock()
 
 
 class SamplingRow(NamedTuple):
@@ -218,6 +227,9 @@ class Sampler:
         # x: [R, V] penalised logits of the non-greedy rows (a copy: edited in place); u: [R]
         vocab, dev = x.shape[1], x.device
         ps = [r.params for r in rows]
+        fused = device_sampler(x)
+        if fused is not None:
+            return _sample_fused(fused, x, ps, u)
         temps = [min(p.temperature, MAX_TEMPERATURE) for p in ps]
         temp = torch.tensor(temps, dtype=x.dtype).to(dev, non_blocking=True)  # [R]
         x.div_(temp[:, None])
@@ -240,6 +252,40 @@ class Sampler:
             if r.generator is not None:
                 u[i] = _seeded_uniform(r.generator)
         return u
+
+
+def device_sampler(x: torch.Tensor) -> DeviceSampler | None:
+    """The one-launch Triton sampler when `x` is on a CUDA device and Triton is installed;
+    None elsewhere (the torch ops serve: always on the CPU)."""
+    if not x.is_cuda:
+        return None
+    with _device_lock:
+        if "sample_rows" not in _device_state:
+            fn: DeviceSampler | None = None
+            if importlib.util.find_spec("triton") is not None:
+                from kvrelay_kernels.triton_sampling import sample_rows
+
+                fn = sample_rows
+            _device_state["sample_rows"] = fn
+        return _device_state["sample_rows"]
+
+
+def _sample_fused(
+    fused: DeviceSampler, x: torch.Tensor, ps: Sequence[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """`Sampler._sample` as one kernel: the rows' parameters are built in one host tensor and
+    uploaded in ONE non-blocking copy (five would be five copies), then split on the device.
+    x: [R, V] penalised logits (not modified); u: [R] uniforms on the host -> [R] int64."""
+    rows, vocab = x.shape
+    host = torch.empty(5, rows, dtype=torch.float32)  # [5, R]
+    host[0] = torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in ps])
+    top_k = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in ps]
+    host[1].view(torch.int32)[:] = torch.tensor(top_k, dtype=torch.int32)  # bits, not values
+    host[2] = torch.tensor([p.top_p for p in ps])
+    host[3] = torch.tensor([p.min_p for p in ps])
+    host[4] = u
+    dev = host.to(x.device, non_blocking=True)
+    return fused(x, dev[0], dev[1].view(torch.int32), dev[2], dev[3], dev[4])
 
 
 def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
