@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One-shot GPU check of kvrelay, for a lent GPU machine: four parts, one table at the end.
+"""One-shot GPU check of kvrelay, for a lent GPU machine: five parts, one table at the end.
 
   1 kernels   JIT-build the CUDA extension; every kernel against the fp32 torch reference
               (fp16/bf16, GQA, odd lengths, split-K, the engine's strided multi-layer cache)
@@ -19,6 +19,10 @@
               - no Triton JIT compile after the engine said it was ready
   4 transfer  KV transfer between two engines in one process (gRPC, NIXL when they import;
               the pinned staging alone always): bytes/s vs copy bandwidth, tokens unchanged
+  5 gemm      the decode step's matmuls (QKV, O, gate_up, down, vocab) of both part 3 shapes at
+              M = 1-256, bf16: F.linear with torch's default BLAS vs cuBLASLt preferred (and a
+              Triton matmul): us, % of copy bandwidth, TFLOP/s, the fastest per case
+              ($OUT/gemm_bench.md); the default's median at M <= 16 >= 70% of copy bandwidth
 
 Needs only Python, a CUDA build of torch, Triton and transformers (no network, pip, Ray,
 NIXL or FastAPI), and the repository. Every part runs even when an earlier one failed, within
@@ -62,12 +66,14 @@ from gpu_parts.report import (  # noqa: E402 - after the path set-up
 
 # Name, module in gpu_parts, share of the time budget. Part 1's share pays for the JIT build;
 # part 3's for seven engines (fp32 graphed and eager, bf16 graphed and eager per model, a
-# 2-layer one), three transformers peers and the profiled steps.
+# 2-layer one), three transformers peers and the profiled steps. Part 5 needs ~10 s (three
+# Triton compiles, 270 timed method-cases at ~3 ms each): 5% of 420 s is 21 s.
 PARTS = (
-    ("1 kernels", "kernels_part", 0.27),
-    ("2 decode", "decode_bench", 0.20),
-    ("3 engine", "engine_part", 0.42),
-    ("4 transfer", "transfer_part", 0.11),
+    ("1 kernels", "kernels_part", 0.26),
+    ("2 decode", "decode_bench", 0.19),
+    ("3 engine", "engine_part", 0.40),
+    ("4 transfer", "transfer_part", 0.10),
+    ("5 gemm", "gemm_bench", 0.05),
 )
 DEFAULT_BUDGET_S = 420.0  # the parts' budget; start-up and the watchdog's grace fit in 8 min
 GRACE_S = 45.0  # past the budget, the watchdog prints what there is and exits
@@ -186,7 +192,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--parts",
         nargs="+",
         choices=[p[0].split()[1] for p in PARTS],
-        help="run only these parts (default: all four)",
+        help="run only these parts (default: all)",
     )
     parser.add_argument(
         "--out",

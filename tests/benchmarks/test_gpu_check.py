@@ -21,7 +21,7 @@ BENCH = ROOT / "benchmarks"
 SCRIPT = BENCH / "gpu_check.py"
 # What the bare GPU machine lacks: the script must run with none of them importable.
 ABSENT = ("ray", "grpc", "fastapi", "uvicorn", "nixl", "nixl._api", "kopf", "kubernetes")
-PARTS = ("1 kernels", "2 decode", "3 engine", "4 transfer")
+PARTS = ("1 kernels", "2 decode", "3 engine", "4 transfer", "5 gemm")
 
 
 @pytest.fixture(scope="module")
