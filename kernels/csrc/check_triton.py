@@ -29,6 +29,7 @@ from kvrelay_kernels import (
     triton_attention,
     triton_norm,
     triton_rope_kv,
+    triton_sampling,
     triton_write_kv,
 )
 
@@ -190,6 +191,30 @@ def fused_cases(arch: int) -> list[Case]:
     return cases
 
 
+def sampling_cases(arch: int) -> list[Case]:
+    """The batch sampler, with top_k as the engine passes it (int32) and as int64. The
+    vocabulary is a runtime argument (one cubin for SmolLM2's 49152 and Llama-3's 128256:
+    both multiples of 16, which is all Triton specializes an int on)."""
+    cases = []
+    fn = triton_sampling._sample_rows_kernel
+    constants = triton_sampling.kernel_constants(libdevice_exp=True)
+    floats = ("x_ptr", "temp_ptr", "top_p_ptr", "min_p_ptr", "u_ptr")
+    for k_type in ("i32", "i64"):
+        pointers = dict.fromkeys(floats, "*fp32") | {"top_k_ptr": f"*{k_type}", "out_ptr": "*i64"}
+        cases.append(
+            Case(
+                "sample_rows",
+                f"vocab 49152/128256 k {k_type}",
+                arch,
+                fn,
+                signature(fn, pointers, set(), constants),
+                constants,
+                triton_sampling.NUM_WARPS,
+            )
+        )
+    return cases
+
+
 def compile_case(case: Case) -> Outcome:
     """Compile `case` to a cubin and read its registers and spills."""
     outcome = Outcome(case)
@@ -230,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [
         c
         for a in args.arch or ARCHS
-        for c in attention_cases(a) + write_kv_cases(a) + fused_cases(a)
+        for c in attention_cases(a) + write_kv_cases(a) + fused_cases(a) + sampling_cases(a)
     ]
     if args.quick:
         cases = list({(c.kernel, c.arch): c for c in cases}.values())

@@ -191,7 +191,8 @@ def _sample_rows_kernel(  # type: ignore[no-untyped-def]  # triton params
 
 
 def kernel_constants(libdevice_exp: bool, block: int = BLOCK) -> dict[str, int]:
-    """The kernel's constexpr arguments (the vocabulary is a plain int: one compile per model)."""
+    """The kernel's constexpr arguments. The vocabulary is a plain int, not one of them: the
+    loops' trip count needs no constant, and one compile serves every model."""
     return {"BLOCK": block, "LIBDEVICE_EXP": int(libdevice_exp)}
 
 
