@@ -226,7 +226,8 @@ def test_a_direct_call_without_a_plan_gathers_on_the_query_device(report: dict[s
 def test_the_engine_launches_each_step_kind_before_it_is_ready(report: dict[str, Any]) -> None:
     """The warm-up (engine/warm_up.py) on a 2-layer model, before any request: a prefill
     alone (Triton), a mixed step (the decode kernel and Triton, each on its rows), decodes
-    alone; so every kernel variant is compiled before serving, not in its first steps."""
+    alone, each with the Triton sampler on its logits; so every kernel variant is compiled
+    before serving, not in its first steps."""
     calls = [tuple(call) for call in result_of(report, "warm_up")["calls"]]
     attention = {3: [("triton", 3)], 5: [("decode", 1), ("triton", 5)], 2: [("decode", 2)]}
     expected = []
@@ -235,4 +236,5 @@ def test_the_engine_launches_each_step_kind_before_it_is_ready(report: dict[str,
             expected += [(first_norm, rows), ("rope_and_write_kv", rows), *kernels_of_kind]
             expected += [("add_rms_norm", rows), ("silu_and_mul", rows)]
         expected.append(("add_rms_norm", rows))  # the final norm adds the last MLP output
+        expected.append(("sample_rows", 1))  # the device sampler on the step's logits
     assert calls == expected

@@ -60,7 +60,10 @@ def test_warm_up_runs_every_step_and_changes_no_later_output(
     warmed = make_engine()
     kv = warmed.runner.kv_cache
     before = kv.clone()
-    assert warm_up(warmed.runner.model, kv) == len(WARM_UP_STEPS)
+    rng_before = warmed.runner.sampler._generator.get_state()
+    assert warm_up(warmed.runner.model, kv, warmed.runner.sampler) == len(WARM_UP_STEPS)
+    # Its draws come from fixed uniforms: the engine's own random stream is where it was.
+    assert torch.equal(warmed.runner.sampler._generator.get_state(), rng_before)
     assert not torch.equal(kv, before)  # it really wrote K/V
     assert warmed.kv_cache.pool.is_whole() and not warmed.has_unfinished_requests()
     warmed.add_request("r", prompt, GREEDY)

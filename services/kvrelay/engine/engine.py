@@ -99,7 +99,7 @@ class Engine:
         compile while serving stalls a step: warm_up.py), then the decode graphs captured."""
         jit_watch.install()
         with jit_watch.warming_up():
-            warm_up(self.runner.model, kv_tensor)
+            warm_up(self.runner.model, kv_tensor, self.runner.sampler)
             if not self.config.enforce_eager:
                 self.runner.capture_cuda_graphs(
                     self.config.scheduler.max_num_seqs, self.max_total_tokens

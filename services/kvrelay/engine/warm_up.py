@@ -6,10 +6,11 @@ allocator's first blocks. Met while serving, that is a stall of every request in
 So the engine runs, on its own cache and before any request, the step kinds a scheduler can
 produce: a prefill alone, a prefill chunk continuing a context beside a decode (a mixed step,
 which splits the batch between two kernels), and decodes alone (eager: what runs when CUDA
-graphs are off or a batch is larger than the largest graph). Kernel variants depend on the
-model's shapes and dtype and on these kinds, never on the batch size or the lengths: the
-kernels do not specialize on values that change from step to step (`jit_watch.py` counts any
-compile after this, and the GPU check requires none).
+graphs are off or a batch is larger than the largest graph); each step's logits are sampled
+greedily and through every truncation (the device sampler is a Triton kernel too). Kernel
+variants depend on the model's shapes and dtype and on these kinds, never on the batch size
+or the lengths: the kernels do not specialize on values that change from step to step
+(`jit_watch.py` counts any compile after this, and the GPU check requires none).
 
 The blocks written are the cache's first ones, free at start-up; nothing is kept. The engine
 warms up on accelerators only: a CPU engine has nothing to compile here (its extensions are
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from kvrelay.engine.runner import CausalLMModel
+from kvrelay.engine.sampler import Sampler, SamplingRow
+from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.inputs import AttentionInputs
 
 # (context length, query tokens) per sequence of each warm-up step. Contexts cross a block
@@ -68,10 +71,20 @@ def step_inputs(
     return ids, torch.tensor(positions, dtype=torch.int64), attn
 
 
+# Sampled from each warm-up step's logits: a row through every truncation (the device
+# sampler is one Triton kernel: compiled here, not at the first sampled request), then a
+# greedy one.
+_TRUNCATING = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05)
+WARM_UP_ROWS = (
+    SamplingRow(_TRUNCATING, [3], [], None, ()),
+    SamplingRow(SamplingParams(temperature=0.0), [3], [], None, ()),
+)
+
+
 @torch.inference_mode()
-def warm_up(model: CausalLMModel, kv_cache: torch.Tensor) -> int:
-    """Run each warm-up step (forward pass and logits) on `kv_cache`'s device; returns how
-    many ran (0 when the cache is too small to hold them)."""
+def warm_up(model: CausalLMModel, kv_cache: torch.Tensor, sampler: Sampler | None = None) -> int:
+    """Run each warm-up step (forward pass, logits and, with `sampler`, its device work on
+    them) on `kv_cache`'s device; returns how many ran (0 when the cache is too small)."""
     device = kv_cache.device
     block_size, num_blocks = int(kv_cache.shape[3]), int(kv_cache.shape[0])
     if num_blocks < blocks_needed(block_size):
@@ -85,5 +98,9 @@ def warm_up(model: CausalLMModel, kv_cache: torch.Tensor) -> int:
             attn.to(device, non_blocking=True),
         )
         rows = torch.tensor([q for _, q in sequences], dtype=torch.int64).cumsum(0) - 1
-        model.compute_logits(hidden[rows.to(device, non_blocking=True)])
+        logits = model.compute_logits(hidden[rows.to(device, non_blocking=True)])
+        if sampler is not None:
+            sampled = WARM_UP_ROWS[: logits.shape[0]]
+            uniforms = torch.full((len(sampled),), 0.5)
+            sampler.sample_on_device(logits[: len(sampled)], sampled, uniforms)
     return len(WARM_UP_STEPS)
