@@ -3,11 +3,16 @@ path (what CUDA and meta take) must give exactly the host path's values and toke
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.sampling import SamplingParams
-from kvrelay.engine.staging import StepStager
+from kvrelay.engine.staging import HostArray, StepStager
 from kvrelay.engine.step_upload import StepUploader
 from tests.engine.conftest import EngineFactory, run_to_completion
 
@@ -16,23 +21,66 @@ CPU = torch.device("cpu")
 
 def test_stager_packs_every_tensor_into_one_copy() -> None:
     stager = StepStager(CPU, initial_bytes=64)
-    tensors = [
+    tensors: list[HostArray] = [
         torch.arange(5, dtype=torch.int64),
         torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
         torch.tensor([True, False, True]),
         torch.empty(0, dtype=torch.int64),
         torch.arange(40, dtype=torch.int64)[::2],  # not contiguous
+        np.array([7, -8, 9], np.int32),  # numpy arrays go up as they are
+        torch.tensor([1.5, -2.25], dtype=torch.bfloat16),  # no numpy dtype: its bytes go up
+        torch.tensor(3, dtype=torch.int64),  # 0-d
     ]
     got = stager.upload(tensors)
     assert stager.uploads == 1
     for a, b in zip(tensors, got, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+        a = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     base = stager._device.data_ptr()
     ends = [t.data_ptr() - base for t in got if t.numel()]
     assert all(0 <= e < stager._device.numel() for e in ends)  # views of one buffer
     assert all(t.data_ptr() % 16 == 0 for t in got if t.numel())  # aligned for any dtype
     again = stager.upload([torch.full((100,), 7, dtype=torch.int64)])  # grows the buffers
     assert stager.uploads == 2 and stager._device.numel() >= 800 and int(again[0].sum()) == 700
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the device ops (ops on a meta tensor) called inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(t.is_meta for t in tensors):
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_is_one_copy_and_one_split_per_dtype() -> None:
+    """Device ops (each a dispatch, ~5 us on a GPU host) do not grow with the tensors: one
+    copy, one `split` per dtype, one `view` per tensor that is not 1-D (38 ops for a decode
+    step's 12 tensors before: a slice and two views each)."""
+    stager = StepStager(torch.device("meta"))
+
+    def step(n: int) -> list[HostArray]:
+        ints: list[HostArray] = [
+            torch.arange(n),
+            np.arange(n + 1),
+            torch.arange(n)[::2],
+            np.zeros(0, np.int64),
+        ]
+        return [*ints, torch.ones(n, dtype=torch.int32), torch.ones(n, 1, 1, 2, dtype=torch.bool)]
+
+    stager.upload(step(8))  # makes the kept views: the dtypes', the copy's slices
+    tensors = step(9)
+    with _Ops() as ops:
+        got = stager.upload(tensors)
+    assert sorted(ops.names) == ["copy_", "split_with_sizes", "split_with_sizes",
+                                 "split_with_sizes", "view"]  # fmt: skip
+    assert [tuple(t.shape) for t in got] == [(9,), (10,), (5,), (0,), (9,), (9, 1, 1, 2)]
+    assert [t.dtype for t in got] == [torch.int64] * 4 + [torch.int32, torch.bool]
 
 
 def _requests(engine: Engine) -> None:
@@ -56,7 +104,7 @@ def _staged(engine: Engine) -> list[int]:
         steps[0] += 1
         return execute(*args, **kwargs)  # type: ignore[arg-type]
 
-    runner.execute = counted  # type: ignore[method-assign]
+    runner.execute = counted  # type: ignore[method-assign,assignment]
     return steps
 
 
