@@ -1,14 +1,19 @@
 """The device-resident block table (block_table.py) against a full rebuild every step, over
-random add / grow / finish / preempt / fork (copy-on-write) / skip sequences."""
+random add / grow / finish / preempt / fork (copy-on-write) / skip sequences: the gathered
+tables must equal the padded host tables exactly, zeros included."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvrelay.engine.block_table import DeviceBlockTable, _first_difference
+from kvrelay.engine.block_table import DeviceBlockTable, _padded
+from kvrelay.engine.runner import padded_block_table
 
 
 def _rebuild(tables: list[list[int]], width: int) -> torch.Tensor:
@@ -20,19 +25,13 @@ def _step(table: DeviceBlockTable, live: dict[str, list[int]], ids: list[str]) -
     entries were written."""
     tables = [live[i] for i in ids]
     update = table.update(ids, tables)
-    assert len(set(update.rows)) == len(ids), "two requests share a row"
-    table.apply(
-        torch.tensor(update.write_index, dtype=torch.int64),
-        torch.tensor(update.write_value, dtype=torch.int32),
-    )
+    assert len(set(update.rows.tolist())) == len(ids), "two requests share a row"
+    assert update.write_index.dtype == np.int64 and update.write_value.dtype == np.int32
+    table.apply(torch.from_numpy(update.write_index), torch.from_numpy(update.write_value))
     width = max(len(t) for t in tables)
-    got = table.gather(torch.tensor(update.rows, dtype=torch.int64), width)
-    # Padding past a table's end is never read by a kernel: compare the real entries.
-    for row, blocks in zip(got.tolist(), tables, strict=True):
-        assert row[: len(blocks)] == blocks
-    expected = _rebuild(tables, width)
-    mask = expected != 0
-    assert torch.equal(got[mask], expected[mask])
+    got = table.gather(torch.from_numpy(update.rows), width)
+    assert torch.equal(got, _rebuild(tables, width))
+    assert np.array_equal(table.table.numpy(), table._mirror)  # the mirror is the device's
     return len(update.write_index)
 
 
@@ -101,9 +100,50 @@ def test_rows_grow_and_tables_past_max_blocks_are_refused() -> None:
         table.update(["x"], [[1, 2, 3, 4]])
 
 
-def test_first_difference() -> None:
-    assert _first_difference([], [1, 2]) == 0
-    assert _first_difference([1, 2], [1, 2, 3]) == 2
-    assert _first_difference([1, 2], [1, 5, 3]) == 1
-    assert _first_difference([1, 2, 3], [1, 2]) == 2
-    assert _first_difference([4], [4]) == 1
+def test_the_runners_padded_table_is_taken_as_it_is() -> None:
+    """`update` with the runner's padded array writes what it would have built itself; a
+    step of the same requests reuses its rows (no per-request work) and a new one frees the
+    rows of requests it leaves out."""
+    tables = [[4, 5, 6], [], [9]]
+    assert np.array_equal(padded_block_table([[4, 5, 6], [1], [9]]), _padded([[4, 5, 6], [1], [9]]))
+    assert _padded(tables).tolist() == [[4, 5, 6], [0, 0, 0], [9, 0, 0]]
+    a = DeviceBlockTable(rows=4, max_blocks=8, device=torch.device("cpu"))
+    b = DeviceBlockTable(rows=4, max_blocks=8, device=torch.device("cpu"))
+    got_a = a.update(["x", "y", "z"], tables)
+    got_b = b.update(["x", "y", "z"], tables, padded_block_table([[4, 5, 6], [0], [9]]))
+    for name in ("rows", "write_index", "write_value"):
+        assert np.array_equal(getattr(got_a, name), getattr(got_b, name))
+    assert a.update(["x", "y", "z"], tables).rows is got_a.rows  # same requests, same array
+    assert a.update(["z", "w"], [[9], [2]]).rows.tolist() == [2, 1]  # w takes y's freed row
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the torch ops called inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_makes_one_device_op_per_write_and_gather() -> None:
+    """No op for a step without writes; one `index_copy_` when there are; one `index_select`
+    for the tables, over a column view made once per width."""
+    table = DeviceBlockTable(rows=2, max_blocks=4, device=torch.device("meta"))
+    index = torch.zeros(2, dtype=torch.int64, device="meta")
+    value = torch.zeros(2, dtype=torch.int32, device="meta")
+    rows = torch.zeros(2, dtype=torch.int64, device="meta")
+    no_index, no_value = index[:0], value[:0]
+    with _Ops() as ops:
+        table.apply(no_index, no_value)
+    assert ops.names == []
+    with _Ops() as ops:
+        table.apply(index, value)
+        table.gather(rows, 3)
+    assert ops.names == ["index_copy_", "slice", "index_select"]
+    with _Ops() as ops:
+        assert table.gather(rows, 3).shape == (2, 3)
+    assert ops.names == ["index_select"]

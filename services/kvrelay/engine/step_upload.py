@@ -39,7 +39,7 @@ class StepUploader:
         """`host` tensors and `attn` (built from `tables`) on the device, in one copy.
 
         Returns the device views of `host`, in order, and the device `AttentionInputs`."""
-        update = self.table.update(request_ids, tables)
+        update = self.table.update(request_ids, tables, attn.block_tables.numpy())
         plan = attn.plan
         plan_names = [
             f.name
@@ -52,9 +52,9 @@ class StepUploader:
                 attn.slot_mapping,
                 attn.seq_lens,
                 attn.query_start_loc,
-                torch.tensor(update.rows, dtype=torch.int64),
-                torch.tensor(update.write_index, dtype=torch.int64),
-                torch.tensor(update.write_value, dtype=torch.int32),
+                update.rows,
+                update.write_index,
+                update.write_value,
                 *[getattr(plan, name) for name in plan_names],
             ]
         )
