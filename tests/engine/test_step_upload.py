@@ -11,9 +11,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from kvrelay.engine.engine import Engine
+from kvrelay.engine.runner import padded_block_table
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.staging import HostArray, StepStager
 from kvrelay.engine.step_upload import StepUploader
+from kvrelay.models.inputs import AttentionInputs
 from tests.engine.conftest import EngineFactory, run_to_completion
 
 CPU = torch.device("cpu")
@@ -155,6 +157,40 @@ def test_staged_inputs_equal_the_host_inputs(make_engine: EngineFactory) -> None
         assert len(hp.tensors()) == len(dp.tensors())
         for a, b in zip(hp.tensors(), dp.tensors(), strict=True):
             assert torch.equal(a.long() if a.dtype != torch.bool else a, b.to(a.dtype))
+            # Staged, or a view of the gathered tables: no host tensor left in the plan.
+            staged = uploader.stager._device, dev.inputs.attn.block_tables
+            assert _storage(b) in {_storage(t) for t in staged}
         runner.uploader = None
         runner.execute(plan.chunks, tables, plan.copies)
         engine.scheduler.update_after_step(plan.chunks)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _decode_step(tables: list[list[int]], lens: list[int]) -> AttentionInputs:
+    """A pure decode step (one query token per sequence) of blocks of 4 tokens."""
+    table = torch.from_numpy(padded_block_table(tables))
+    rows = torch.arange(len(lens))
+    slots = table[rows, (torch.tensor(lens) - 1) // 4].long() * 4 + (torch.tensor(lens) - 1) % 4
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return AttentionInputs.build(slots, table, torch.tensor(lens, dtype=torch.int32), qsl, 4)
+
+
+def test_a_decode_step_takes_the_gathered_tables_whole() -> None:
+    """When every sequence decodes and the decodes' tables are as wide as the step's, the
+    plan's decode tables are the gathered tables themselves (no view: no device op); else a
+    view of their columns, with the host plan's values."""
+    uploader = StepUploader(CPU, max_blocks=8, rows=4)
+    step = _decode_step([[5, 6], [7]], [6, 3])
+    _, attn = uploader.upload([], step, ["a", "b"], [[5, 6], [7]])
+    assert attn.plan.decode_block_tables is attn.block_tables
+    assert torch.equal(attn.block_tables, step.block_tables)
+    # b holds a block ahead of its 3 tokens: the tables are 3 wide, the decodes read 2.
+    step = _decode_step([[5, 6], [7, 9, 4]], [7, 4])
+    _, attn = uploader.upload([], step, ["a", "b"], [[5, 6], [7, 9, 4]])
+    decode_tables = attn.plan.decode_block_tables
+    assert decode_tables is not None and decode_tables is not attn.block_tables
+    assert step.plan.decode_block_tables is not None
+    assert torch.equal(decode_tables.long(), step.plan.decode_block_tables)

@@ -20,6 +20,12 @@ from kvrelay.engine.staging import StepStager
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay_kernels import AttentionPlan
 
+# The plan's fields but its block ids (those come from the device table): the ones holding
+# a tensor go up. Listed once here, not by `dataclasses.fields` each step.
+_PLAN_FIELDS = tuple(
+    f.name for f in fields(AttentionPlan) if f.name not in ("decode_block_tables", "prefills")
+)
+
 
 class StepUploader:
     """Moves each step's host-built inputs to `device` (not for the CPU: it uses them as
@@ -41,11 +47,11 @@ class StepUploader:
         Returns the device views of `host`, in order, and the device `AttentionInputs`."""
         update = self.table.update(request_ids, tables, attn.block_tables.numpy())
         plan = attn.plan
-        plan_names = [
-            f.name
-            for f in fields(plan)
-            if isinstance(getattr(plan, f.name), torch.Tensor) and f.name != "decode_block_tables"
-        ]
+        plan_tensors = {
+            name: value
+            for name in _PLAN_FIELDS
+            if isinstance(value := getattr(plan, name), torch.Tensor)
+        }
         staged = self.stager.upload(
             [
                 *host,
@@ -55,7 +61,7 @@ class StepUploader:
                 update.rows,
                 update.write_index,
                 update.write_value,
-                *[getattr(plan, name) for name in plan_names],
+                *plan_tensors.values(),
             ]
         )
         n = len(host)
@@ -63,7 +69,7 @@ class StepUploader:
         self.table.apply(write_index, write_value)
         block_tables = self.table.gather(rows, attn.block_tables.shape[1])
         device_plan = _device_plan(
-            plan, dict(zip(plan_names, staged[n + 6 :], strict=True)), block_tables, attn
+            plan, dict(zip(plan_tensors, staged[n + 6 :], strict=True)), block_tables, attn
         )
         return staged[:n], AttentionInputs(slots, block_tables, seq_lens, qsl, device_plan)
 
@@ -75,19 +81,23 @@ def _device_plan(
     attn: AttentionInputs,
 ) -> AttentionPlan:
     """The plan with its tensors replaced by their staged copies, and its block ids by views
-    of the device block tables (int32: the reference's index_select takes either)."""
-    starts = attn.query_start_loc.tolist()  # host tensor: no sync
-    seq_of_row = {start: i for i, start in enumerate(starts[:-1])}
-    prefills = tuple(
-        replace(c, block_ids=block_tables[seq_of_row[c.q_start], : c.block_ids.shape[0]])
-        for c in plan.prefills
-    )
+    of the device block tables (int32: the reference's index_select takes either); the
+    tables themselves when the decodes' are all of them (no view: no device op)."""
+    prefills: tuple[Any, ...] = ()
+    if plan.prefills:
+        starts = attn.query_start_loc.tolist()  # host tensor: no sync
+        seq_of_row = {start: i for i, start in enumerate(starts[:-1])}
+        prefills = tuple(
+            replace(c, block_ids=block_tables[seq_of_row[c.q_start], : c.block_ids.shape[0]])
+            for c in plan.prefills
+        )
     decode_tables = None
     if plan.decode_block_tables is not None:
         width = plan.decode_block_tables.shape[1]
         if plan.decode_seqs is not None:
             s0, s1 = plan.decode_seqs
-            decode_tables = block_tables[s0:s1, :width]
+            whole = (s0, s1, width) == (0, *block_tables.shape)
+            decode_tables = block_tables if whole else block_tables[s0:s1, :width]
         else:
             seq_idx = staged.get("decode_seq_idx")
             assert seq_idx is not None, "a plan with decodes has their span or indices"
