@@ -63,7 +63,8 @@ class _Ops(TorchDispatchMode):
 def test_a_step_is_one_copy_and_one_split_per_dtype() -> None:
     """Device ops (each a dispatch, ~5 us on a GPU host) do not grow with the tensors: one
     copy, one `split` per dtype, one `view` per tensor that is not 1-D (38 ops for a decode
-    step's 12 tensors before: a slice and two views each)."""
+    step's 12 tensors before: a slice and two views each); no split for a dtype whose
+    layout an earlier step had."""
     stager = StepStager(torch.device("meta"))
 
     def step(n: int) -> list[HostArray]:
@@ -83,6 +84,12 @@ def test_a_step_is_one_copy_and_one_split_per_dtype() -> None:
                                  "split_with_sizes", "view"]  # fmt: skip
     assert [tuple(t.shape) for t in got] == [(9,), (10,), (5,), (0,), (9,), (9, 1, 1, 2)]
     assert [t.dtype for t in got] == [torch.int64] * 4 + [torch.int32, torch.bool]
+    # The same layout again: the kept views, only the copy and the mask's 4-D view.
+    tensors = step(9)
+    with _Ops() as ops:
+        again = stager.upload(tensors)
+    assert sorted(ops.names) == ["copy_", "view"]
+    assert all(a is b for a, b in zip(got[:5], again[:5], strict=True))
 
 
 def _requests(engine: Engine) -> None:
