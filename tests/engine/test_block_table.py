@@ -114,6 +114,10 @@ def test_the_runners_padded_table_is_taken_as_it_is() -> None:
     for name in ("rows", "write_index", "write_value"):
         assert np.array_equal(getattr(got_a, name), getattr(got_b, name))
     assert a.update(["x", "y", "z"], tables).rows is got_a.rows  # same requests, same array
+    wide = DeviceBlockTable(rows=4, max_blocks=8, device=torch.device("cpu"))
+    got_wide = wide.update(["x", "y", "z"], tables, _padded(tables).astype(np.int64))
+    assert got_wide.write_value.dtype == np.int32  # the table's dtype, whatever came in
+    assert np.array_equal(got_wide.write_value, got_a.write_value)
     assert a.update(["z", "w"], [[9], [2]]).rows.tolist() == [2, 1]  # w takes y's freed row
 
 

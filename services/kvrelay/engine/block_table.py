@@ -60,8 +60,9 @@ class DeviceBlockTable:
         if old:
             table[:old] = self.table
         self._free = list(range(new_rows - 1, old - 1, -1)) + self._free  # pop(): lowest first
-        self._mirror = np.concatenate([self._mirror, np.zeros((new_rows - old, self.max_blocks),
-                                                               np.int32)])  # fmt: skip
+        mirror = np.zeros((new_rows, self.max_blocks), np.int32)
+        mirror[:old] = self._mirror
+        self._mirror = mirror
         self.table = table
         self._flat = table.view(-1)
         self._columns: dict[int, torch.Tensor] = {}  # width -> table[:, :width]
@@ -100,7 +101,7 @@ class DeviceBlockTable:
         changed = np.flatnonzero(self._mirror[rows, :width] != padded)
         seq, column = np.divmod(changed, width)
         write_index = rows[seq] * self.max_blocks + column
-        write_value = padded.reshape(-1)[changed]
+        write_value = padded.reshape(-1)[changed].astype(np.int32, copy=False)
         self._mirror.reshape(-1)[write_index] = write_value
         return TableUpdate(rows, write_index, write_value)
 
