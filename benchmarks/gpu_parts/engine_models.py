@@ -22,7 +22,7 @@ import torch
 
 from gpu_parts.report import Context
 
-# The embedded default, SmolLM2-135M-Instruct (ARCHITECTURE.md section 4), and a ~1B Llama
+# The embedded default, SmolLM2-135M-Instruct (docs/architecture.md section 4), and a ~1B Llama
 # with head_dim 128 (16 query / 8 KV heads of 128, GQA 2). Tiny stand-ins for the CPU.
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(

@@ -1,7 +1,7 @@
 """Torch reference of the kvrelay kernel ops: it defines what each op means, and is the CPU path.
 
 The KV cache is block-major, `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`
-(ARCHITECTURE.md section 3); a slot is `block_id * block_size + offset`. This module must stay
+(docs/architecture.md section 3); a slot is `block_id * block_size + offset`. This module must stay
 free of any engine or model import: it is the bottom layer.
 """
 

@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (ARCHITECTURE.md section 3).
+"""The router's Prometheus metrics (docs/architecture.md section 3).
 
 Latency histograms and request counters are observed by the router as requests go by; the
 per-pool gauges and counters are read from the workers' latest `EngineStats` at scrape time

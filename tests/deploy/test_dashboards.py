@@ -36,7 +36,7 @@ def test_metric_check_catches_a_typo() -> None:
     )
 
 
-# The metrics of the platform contract (ARCHITECTURE.md section 3) and the planner's.
+# The metrics of the platform contract (docs/architecture.md section 3) and the planner's.
 CONTRACT_METRICS = {
     "kvrelay_time_to_first_token_seconds",
     "kvrelay_inter_token_latency_seconds",

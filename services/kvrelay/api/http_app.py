@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, plus
-/health and /metrics. Errors in OpenAI's shape with the status codes of ARCHITECTURE.md s. 3."""
+/health and /metrics. Errors in OpenAI's shape with the status codes of docs/architecture.md
+section 3."""
 
 from __future__ import annotations
 

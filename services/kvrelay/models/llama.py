@@ -204,7 +204,7 @@ class CausalLM(nn.Module):
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """The block-major cache this model reads and writes (ARCHITECTURE.md section 3)."""
+        """The block-major cache this model reads and writes (docs/architecture.md section 3)."""
         c = self.config
         return (num_blocks, c.num_hidden_layers, 2, block_size, c.num_key_value_heads, c.head_dim)
 

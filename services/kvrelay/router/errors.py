@@ -1,6 +1,6 @@
 """Why the router refused or failed a request, independent of the wire.
 
-Each error names its status once; the gRPC and HTTP layers translate (ARCHITECTURE.md
+Each error names its status once; the gRPC and HTTP layers translate (docs/architecture.md
 section 3: INVALID_ARGUMENT / 400, RESOURCE_EXHAUSTED / 429, UNAVAILABLE / 503,
 DEADLINE_EXCEEDED / 504).
 """

@@ -1,4 +1,4 @@
-"""One sample's way through the workers (ARCHITECTURE.md section 2).
+"""One sample's way through the workers (docs/architecture.md section 2).
 
 Route -> (prefill at P, first token out, KV handle) -> decode at D, which pulls P's blocks ->
 release P's lease at D's first output -> stream D's tokens. Or, by the decision, the whole

@@ -1,4 +1,4 @@
-"""The KV connector contract (ARCHITECTURE.md section 3): how a decode worker pulls a prefill
+"""The KV connector contract (docs/architecture.md section 3): how a decode worker pulls a prefill
 worker's KV blocks. Implementations: NIXL (UCX) and gRPC; both move raw block bytes only.
 """
 
