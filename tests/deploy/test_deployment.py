@@ -3,8 +3,7 @@ KVRelayService on GPUs with RDMA, that service reconciled by the operator's own 
 against the fake API server through two generations (an image upgrade while the old
 routers still run), and every object that results validated strictly: built-in kinds with
 kubernetes-validate for each Kubernetes version, the RayClusters against KubeRay's fields,
-our custom resources against their CRDs. These are the objects the README's Deploy section
-names."""
+our custom resources against their CRDs. These are the objects docs/deploy.md names."""
 
 from __future__ import annotations
 
@@ -139,7 +138,7 @@ def test_two_generations_run_side_by_side_during_the_upgrade(deployment: dict[st
 
 
 def test_the_operator_makes_exactly_these_objects(deployment: dict[str, Any]) -> None:
-    """The README's Deploy section names these; keep both in step."""
+    """docs/deploy.md ("What the chart installs") names these; keep both in step."""
     names = sorted((o["kind"], o["metadata"]["name"]) for o in deployment["operator"])
     old, new = deployment["generations"]
     assert names == sorted(
@@ -158,19 +157,19 @@ def test_the_operator_makes_exactly_these_objects(deployment: dict[str, Any]) ->
     )
 
 
-def _readme_service() -> Obj:
-    """The KVRelayService the README's Deploy section shows."""
-    text = (CHART.parents[2] / "README.md").read_text()
-    section = text[text.index("## Deploy on Kubernetes") :]
-    blocks = section.split("```yaml\n")[1:]
-    (block,) = [b.split("```")[0] for b in blocks if "kind: KVRelayService" in b]
-    return dict(yaml.safe_load(block))
+def _documented_service() -> Obj:
+    """The GPU KVRelayService `chat` that docs/deploy.md shows (beside a CPU one, `demo`)."""
+    text = (CHART.parents[2] / "docs" / "deploy.md").read_text()
+    blocks = [b.split("```")[0] for b in text.split("```yaml\n")[1:]]
+    services = [yaml.safe_load(b) for b in blocks if "kind: KVRelayService" in b]
+    (service,) = [s for s in services if s["metadata"]["name"] == "chat"]
+    return dict(service)
 
 
-def test_the_readme_example_is_valid_and_makes_the_objects_it_names() -> None:
+def test_the_documented_example_is_valid_and_makes_the_objects_it_names() -> None:
     from kvrelay_operator.desired import desired_objects
 
-    service = _readme_service()
+    service = _documented_service()
     assert service["metadata"]["name"] == "chat"
     body = validate_custom(
         {**service, "metadata": {**service["metadata"], "namespace": "default", "uid": "u"}}
