@@ -1,5 +1,6 @@
-"""The README's Python examples run as written: each block is executed in a fresh interpreter
-and its printed result checked against what the README says it prints."""
+"""The documentation's Python examples run as written (README.md and docs/*.md): each block is
+executed in a fresh interpreter and its printed result checked against what the text says it
+prints."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
 
 def python_block(marker: str) -> str:
-    """The README's one Python block that contains `marker`."""
-    blocks = [block for block in BLOCK.findall(README.read_text()) if marker in block]
-    assert len(blocks) == 1, f"expected one README block with {marker!r}, found {len(blocks)}"
+    """The documentation's one Python block that contains `marker`."""
+    blocks = [
+        block for doc in DOCUMENTS for block in BLOCK.findall(doc.read_text()) if marker in block
+    ]
+    assert len(blocks) == 1, f"expected one documented block with {marker!r}, found {len(blocks)}"
     return str(blocks[0])
 
 
