@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="torch threads (default: torch's); 1 keeps a shared machine's other load from "
-        "stalling every parallel region (the figures in the README are --threads 1)",
+        "stalling every parallel region (benchmarks/results/2026-11-30_quantized_decode_xeon.md "
+        "is --threads 1)",
     )
     return parser
 
