@@ -19,8 +19,8 @@ from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
-from kvrelay.engine.runner import CausalLMModel, ModelRunner, SampledToken, StepResult
-from kvrelay.engine.sampler import Sampler, skip_seeded_draws
+from kvrelay.engine.runner import CausalLMModel, ModelRunner, StepResult
+from kvrelay.engine.sampler import SampleLogprobs, Sampler, skip_seeded_draws
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.engine.warm_up import warm_up
@@ -263,15 +263,16 @@ class Engine:
         """
         self.handoff.expire_leases()
         plan = self.scheduler.schedule()
-        result = self._execute(plan) if not plan.is_empty else StepResult([], [])
+        result = self._execute(plan) if not plan.is_empty else StepResult.empty()
         touched, self._finished_outside_step = self._finished_outside_step, {}
         for request in result.failed:
             parent = self._fail(request, SAMPLING_FAILED)
             touched[parent.request_id] = parent
-        for request, token in result.sampled:
-            if request.is_finished:  # another sample of its request failed above
+        for request, token_id, logprobs in zip(*result[:3], strict=True):
+            if request.is_finished:  # failed, or another sample of its request failed above
                 continue
-            parent = self._append_token(request, token.token_id, _logprobs_entry(token))
+            entry = None if logprobs is None else _logprobs_entry(token_id, logprobs)
+            parent = self._append_token(request, token_id, entry)
             touched[parent.request_id] = parent
         return [self._emit(parent) for parent in touched.values()]
 
@@ -424,10 +425,8 @@ class Engine:
         return self.kv_cache.reset_prefix_cache()
 
 
-def _logprobs_entry(token: SampledToken) -> dict[int, float] | None:
+def _logprobs_entry(token_id: int, logprobs: SampleLogprobs) -> dict[int, float]:
     """A sampled token's logprobs entry: its top-k plus the token itself."""
-    if token.logprobs is None:
-        return None
-    entry = dict(token.logprobs.top)
-    entry[token.token_id] = token.logprobs.token_logprob
+    entry = dict(logprobs.top)
+    entry[token_id] = logprobs.token_logprob
     return entry

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -25,23 +25,25 @@ SAMPLING_FAILED = (
 )
 
 
-@dataclass(frozen=True)
-class RowSample:
-    """One row's sampled token."""
+class IsolatedSample(NamedTuple):
+    """A step's samples: one token and logprobs entry per row, and the rows that could not
+    be sampled (their token is -1, their logprobs None)."""
 
-    token_id: int
-    logprobs: SampleLogprobs | None
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
+    failed: list[int]
 
 
 def sample_isolating(
     sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], names: Sequence[str]
-) -> list[RowSample | None]:
-    """Sample every row of `logits` [S, V]; None for each row that cannot be sampled.
+) -> IsolatedSample:
+    """Sample every row of `logits` [S, V], keeping apart the rows that cannot be sampled.
 
     The batch is sampled at once; only when that raises is each row re-run alone (cost: S
     single-row samples, once per failing step). A row that fails alone is a culprit, logged
     with its traceback under `names[i]` (its request id). If no row fails alone the batched
-    failure was not any request's doing: every row keeps its single-row sample.
+    failure was not any request's doing: every row keeps its single-row sample. The batched
+    path returns the sampler's own lists: nothing is built per row.
     """
     uniforms = sampler.draw_uniforms(rows)  # [S]: every draw of this step, before any risk
     try:
@@ -52,23 +54,27 @@ def sample_isolating(
             len(rows),
             exc_info=True,
         )
-        return [
-            _sample_alone(sampler, logits, rows, uniforms, i, names[i]) for i in range(len(rows))
-        ]
-    return [RowSample(t, lp) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        return _sample_each_alone(sampler, logits, rows, uniforms, names)
+    return IsolatedSample(out.token_ids, out.logprobs, [])
 
 
-def _sample_alone(
+def _sample_each_alone(
     sampler: Sampler,
     logits: torch.Tensor,
     rows: Sequence[SamplingRow],
     uniforms: torch.Tensor,
-    i: int,
-    name: str,
-) -> RowSample | None:
-    try:
-        out = sampler.sample(logits[i : i + 1], rows[i : i + 1], uniforms[i : i + 1])
-    except Exception:
-        logger.exception("request %s: sampling failed; failing this request alone", name)
-        return None
-    return RowSample(out.token_ids[0], out.logprobs[0])
+    names: Sequence[str],
+) -> IsolatedSample:
+    result = IsolatedSample([], [], [])
+    for i, name in enumerate(names):
+        try:
+            out = sampler.sample(logits[i : i + 1], rows[i : i + 1], uniforms[i : i + 1])
+        except Exception:
+            logger.exception("request %s: sampling failed; failing this request alone", name)
+            result.token_ids.append(-1)
+            result.logprobs.append(None)
+            result.failed.append(i)
+            continue
+        result.token_ids.append(out.token_ids[0])
+        result.logprobs.append(out.logprobs[0])
+    return result

@@ -12,7 +12,7 @@ import torch
 
 from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
-from kvrelay.engine.request import Request
+from kvrelay.engine.request import Request, RequestStatus
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import KVHandle, sample_request_id
 
@@ -74,7 +74,10 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(child.is_finished for child in self.children)
+        children = self.children
+        if len(children) == 1:
+            return children[0].status > RequestStatus.PREEMPTED  # Request.is_finished
+        return all(child.is_finished for child in children)
 
     def detokenize(self, index: int, token_id: int) -> str | None:
         """Feed sample `index`'s new token to its detokenizer; returns a matched stop string."""
@@ -85,24 +88,12 @@ class ParentRequest:
         return stop
 
     def output(self) -> RequestOutput:
-        """The cumulative output of every sample so far."""
-        completions = []
-        for index, child in enumerate(self.children):
-            detok = self.detokenizers[index]
-            logprobs = child.output_logprobs if child.sampling_params.logprobs is not None else None
-            # A resumed sequence's first tokens have no logprobs here (its caller has them).
-            cumulative = child.cumulative_logprob if logprobs is not None else None
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=detok.text if detok is not None else "",
-                    token_ids=list(child.output_token_ids),
-                    logprobs=logprobs,
-                    cumulative_logprob=cumulative,
-                    finish_reason=child.status.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
-            )
+        """The cumulative output of every sample so far. Built for every running request
+        every step, so it reads each sample's state once and makes nothing it can skip."""
+        completions = [
+            self._completion(index, child, self.detokenizers[index])
+            for index, child in enumerate(self.children)
+        ]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -112,6 +103,25 @@ class ParentRequest:
             metrics=self.metrics(),
             kv_handle=self.kv_handle,
             error=self.error,
+        )
+
+    @staticmethod
+    def _completion(
+        index: int, child: Request, detok: IncrementalDetokenizer | None
+    ) -> CompletionOutput:
+        if child.sampling_params.logprobs is None:
+            logprobs, cumulative = None, None
+        else:
+            # A resumed sequence's first tokens have no logprobs here (its caller has them).
+            logprobs, cumulative = child.output_logprobs, child.cumulative_logprob
+        return CompletionOutput(
+            index,
+            detok.text if detok is not None else "",
+            child.output_token_ids[:],
+            logprobs,
+            cumulative,
+            child.status.finish_reason,
+            child.stop_reason,
         )
 
     def metrics(self) -> dict[str, float]:

@@ -7,6 +7,7 @@ A request with `n` > 1 is run as `n` sequences (see `Engine.add_request`); each 
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -105,8 +106,11 @@ class Request:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
+    @functools.cached_property
     def scheduling_key(self) -> tuple[int, float, int]:
-        """Order of service: priority, then arrival (first come, first served)."""
+        """Order of service: priority, then arrival (first come, first served). Kept: the
+        scheduler sorts every running request by it every step, and none of its parts
+        changes once the request exists."""
         return (self.priority, self.arrival_time, self.arrival_seq)
 
     def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:

@@ -45,20 +45,20 @@ class CausalLMModel(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    """The token sampled for one request whose chunk reached its last token (or a fork's)."""
-
-    token_id: int
-    logprobs: SampleLogprobs | None
-
-
 class StepResult(NamedTuple):
-    """What one step sampled: tokens in chunk order (forks after their leader), and the
-    requests whose sampling failed alone (their traceback logged; the others unaffected)."""
+    """What one step sampled, in chunk order (forks after their leader): each sampled
+    request with its token and logprobs, as parallel lists (a step of 256 decodes makes no
+    object per row), and the requests whose sampling failed alone (their traceback logged;
+    the others unaffected; their entries in the lists are placeholders)."""
 
-    sampled: list[tuple[Request, SampledToken]]
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
     failed: list[Request]
+
+    @classmethod
+    def empty(cls) -> StepResult:
+        return cls([], [], [], [])
 
 
 @dataclass(frozen=True)
@@ -247,26 +247,23 @@ class ModelRunner:
         hidden = self.forward(inputs)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:
-            return StepResult([], [])
+            return StepResult.empty()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [r for c in sampled_chunks for r in (c.request, *c.forks)]
         if step.logits_rows is not None:
             logits = logits[step.logits_rows]
+        # Positional: one row per sampled request per step (SamplingRow's field order).
         rows = [
             SamplingRow(
-                params=r.sampling_params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=r.generator,
-                eos_token_ids=r.eos_token_ids,
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                r.generator,
+                r.eos_token_ids,
             )
             for r in requests
         ]
-        samples = sample_isolating(self.sampler, logits, rows, [r.request_id for r in requests])
-        result = StepResult([], [])
-        for request, sample in zip(requests, samples, strict=True):
-            if sample is None:
-                result.failed.append(request)
-            else:
-                result.sampled.append((request, SampledToken(sample.token_id, sample.logprobs)))
-        return result
+        names = [r.request_id for r in requests]
+        samples = sample_isolating(self.sampler, logits, rows, names)
+        failed = [requests[i] for i in samples.failed]
+        return StepResult(requests, samples.token_ids, samples.logprobs, failed)

@@ -157,22 +157,31 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first: a long prompt's next chunk must never delay the tokens of running
-        # streams. Within each kind, older / higher-priority requests come first.
+        # streams. Within each kind, older / higher-priority requests come first. Every
+        # running request passes here every step, so a decode (one token left to compute)
+        # takes the short way: no chunk sizing, and its chunk built directly.
         ordered = sorted(
             self.running,
-            key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.scheduling_key()),
+            key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.scheduling_key),
         )
+        forks = self._forks
         for request in ordered:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
-            size = self._chunk_size(request, budget)
+            start = request.num_computed_tokens
+            left = request.num_tokens - start
+            size = 1 if left == 1 else self._chunk_size(request, budget)
             if size == 0:
                 continue
-            if not self._allocate_or_preempt(request, request.num_computed_tokens + size, out):
+            if not self._allocate_or_preempt(request, start + size, out):
                 continue
-            out.chunks.append(self._chunk(request, size))
+            if size == left:  # the chunk reaches the last token: it samples
+                its_forks = tuple(forks.get(request.request_id, ())) if forks else ()
+                out.chunks.append(ScheduledChunk(request, start, size, True, its_forks))
+            else:
+                out.chunks.append(ScheduledChunk(request, start, size, False))
             budget -= size
         return budget
 
@@ -184,7 +193,7 @@ class Scheduler:
         while not self.kv_cache.allocate_slots(
             request.request_id, total, num_computed_tokens=request.num_computed_tokens
         ):
-            victim = max(self.running, key=lambda r: r.scheduling_key())
+            victim = max(self.running, key=lambda r: r.scheduling_key)
             scheduled = [c for c in out.chunks if c.request is victim]
             if scheduled:
                 # A victim already in this step's batch gives its tokens back to the budget
@@ -206,7 +215,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for request in sorted(self.waiting, key=lambda r: r.scheduling_key()):
+        for request in sorted(self.waiting, key=lambda r: r.scheduling_key):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             assert request.num_computed_tokens == 0, "a waiting request holds no KV"

@@ -1,4 +1,4 @@
-"""The worker's KV tensor: one block-major allocation (ARCHITECTURE.md section 3).
+"""The worker's KV tensor: one block-major allocation (docs/architecture.md section 3).
 
 `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`: one block is one contiguous
 region across all layers, so moving n blocks to another worker is at most n copies.
