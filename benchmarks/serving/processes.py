@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 # The router's WARNING when a worker joins (router/workers.py):
-# "worker <engine_id> (<role>, pid <pid>[, pod <pod>, generation <generation>]) joined".
+# "worker <engine_id> (<role>, pid <pid>[, pod <pod>, revision <revision>]) joined".
 WORKER_JOINED = re.compile(r"worker (?P<id>\S+) \((?P<role>\w+), pid (?P<pid>\d+)[^)]*\) joined")
 
 

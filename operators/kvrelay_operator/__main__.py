@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvrelay_operator",
         description="kvrelay's Kubernetes operator: KVRelayService -> a KubeRay RayCluster "
-        "per worker generation, the router, pool sizing and drained scale-down.",
+        "per worker revision, the router, pool sizing and drained scale-down.",
     )
     parser.add_argument("--log-level", default="INFO", help="python log level (default INFO)")
     add_operator_arguments(parser)

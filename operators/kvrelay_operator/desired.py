@@ -11,7 +11,6 @@ import base64
 import copy
 from collections.abc import Mapping, Sequence
 
-from kvrelay_operator.generation import generation_hash
 from kvrelay_operator.names import (
     API_VERSION,
     KV_SECRET_KEY,
@@ -27,6 +26,7 @@ from kvrelay_operator.names import (
 )
 from kvrelay_operator.podparts import Obj
 from kvrelay_operator.raycluster import desired_raycluster
+from kvrelay_operator.revision import revision_hash
 from kvrelay_operator.router import desired_router_deployment, desired_router_service
 from kvrelay_operator.spec import ServiceSpec
 
@@ -92,7 +92,7 @@ def _pdb(spec: ServiceSpec, component: str, match: Mapping[str, str]) -> Obj:
 
 
 def desired_pdbs(spec: ServiceSpec) -> list[Obj]:
-    """One per component; a pool's spans its generations (a blue/green upgrade has two)."""
+    """One per component; a pool's spans its revisions (a blue/green upgrade has two)."""
     return [_pdb(spec, c, selector_labels(spec.name, c)) for c in ("router", *POOLS)]
 
 
@@ -148,11 +148,11 @@ def desired_objects(
         workers_to_delete: pool -> the drained pods a shrink removes.
     """
     sizes = pool_replicas(spec, observed_pools)
-    generation = generation_hash(spec)
+    revision = revision_hash(spec)
     objects = [desired_pool(spec, pool, sizes[pool]) for pool in POOLS]
     groups = {**sizes, **(group_sizes or {})}
-    objects.append(desired_raycluster(spec, generation, groups, workers_to_delete))
-    objects.append(desired_router_deployment(spec, generation))
+    objects.append(desired_raycluster(spec, revision, groups, workers_to_delete))
+    objects.append(desired_router_deployment(spec, revision))
     objects.append(desired_router_service(spec))
     objects.extend(desired_pdbs(spec))
     if spec.service_monitor:

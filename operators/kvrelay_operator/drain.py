@@ -62,7 +62,7 @@ def parse_workers(payload: Mapping[str, Any]) -> list[WorkerInfo]:
 
 @dataclass(frozen=True)
 class PodInfo:
-    """A worker pod of the serving generation's group, as the kopf layer saw it."""
+    """A worker pod of the serving revision's group, as the kopf layer saw it."""
 
     name: str
     ready: bool = True
@@ -153,7 +153,7 @@ def next_step(
 
     Args:
         wanted: the KVRelayPool's replicas.
-        group: the serving generation's worker group replicas now; None when its RayCluster
+        group: the serving revision's worker group replicas now; None when its RayCluster
             does not exist yet.
         record: the shrink in progress, if any.
         pods: the group's pods (terminating ones included).

@@ -31,18 +31,19 @@ KV_SECRET_KEY = "secret"
 # KubeRay's own pod labels: a worker group's pods carry both.
 RAY_CLUSTER_LABEL = "ray.io/cluster"
 RAY_GROUP_LABEL = "ray.io/group"
-# The worker generation of a RayCluster, its pods and the router pods that use it.
-GENERATION_LABEL = f"{GROUP}/generation"
+# The worker revision of a RayCluster, its pods and the router pods that use it. The label's
+# key keeps its old word, "generation": running deployments' objects carry it.
+REVISION_LABEL = f"{GROUP}/generation"
 
 
-def raycluster_name(service: str, generation: str) -> str:
-    """One RayCluster per generation (blue/green): `<service>-<first 8 hex of generation>`."""
-    return f"{service}-{generation[:8]}"
+def raycluster_name(service: str, revision: str) -> str:
+    """One RayCluster per revision (blue/green): `<service>-<first 8 hex of revision>`."""
+    return f"{service}-{revision[:8]}"
 
 
-def ray_head_service(service: str, generation: str) -> str:
+def ray_head_service(service: str, revision: str) -> str:
     """The head Service KubeRay creates for a RayCluster."""
-    return f"{raycluster_name(service, generation)}-head-svc"
+    return f"{raycluster_name(service, revision)}-head-svc"
 
 
 def kv_secret_name(service: str) -> str:
@@ -62,14 +63,14 @@ def pdb_name(service: str, component: str) -> str:
     return f"{service}-{component}"
 
 
-def pool_selector(service: str, pool: str, generation: str) -> str:
-    """The label selector of a pool's worker pods in the serving generation, as the scale
+def pool_selector(service: str, pool: str, revision: str) -> str:
+    """The label selector of a pool's worker pods in the serving revision, as the scale
     subresource reports it."""
-    return f"{RAY_CLUSTER_LABEL}={raycluster_name(service, generation)},{RAY_GROUP_LABEL}={pool}"
+    return f"{RAY_CLUSTER_LABEL}={raycluster_name(service, revision)},{RAY_GROUP_LABEL}={pool}"
 
 
 def component_selector(service: str, component: str) -> str:
-    """A selector string over `selector_labels`: every generation's pods of a component."""
+    """A selector string over `selector_labels`: every revision's pods of a component."""
     return ",".join(f"{k}={v}" for k, v in selector_labels(service, component).items())
 
 

@@ -89,12 +89,12 @@ def _field_env(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
 
-def base_env(spec: ServiceSpec, component: str, generation: str) -> list[Obj]:
+def base_env(spec: ServiceSpec, component: str, revision: str) -> list[Obj]:
     return [
         {"name": "KVRELAY_CACHE_DIR", "value": CACHE_DIR},
         {"name": "KVRELAY_COMPONENT", "value": component},
         {"name": "KVRELAY_SERVICE", "value": spec.name},
-        {"name": GENERATION_ENV, "value": generation},
+        {"name": GENERATION_ENV, "value": revision},
         # Nothing is fetched from a model hub at run time (air-gapped clusters included).
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         # Ray and torch size their thread pools from the node; keep them to the pod's share.

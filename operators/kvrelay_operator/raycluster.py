@@ -15,9 +15,9 @@ from typing import Any
 
 from kvrelay_operator import podparts
 from kvrelay_operator.names import (
-    GENERATION_LABEL,
     RAY_CLIENT_PORT,
     RAY_GCS_PORT,
+    REVISION_LABEL,
     labels,
     raycluster_name,
 )
@@ -54,13 +54,13 @@ def _ray_container(
     return container
 
 
-def _template_labels(spec: ServiceSpec, component: str, generation: str) -> Obj:
-    return {**labels(spec.name, component), GENERATION_LABEL: generation}
+def _template_labels(spec: ServiceSpec, component: str, revision: str) -> Obj:
+    return {**labels(spec.name, component), REVISION_LABEL: revision}
 
 
-def _head_group(spec: ServiceSpec, generation: str) -> Obj:
+def _head_group(spec: ServiceSpec, revision: str) -> Obj:
     resources = podparts.resources(spec.ray_head)
-    env = podparts.base_env(spec, "ray-head", generation)
+    env = podparts.base_env(spec, "ray-head", revision)
     container = _ray_container(spec, "ray-head", resources, env)
     container["ports"] = [
         {"name": "gcs", "containerPort": RAY_GCS_PORT, "protocol": "TCP"},
@@ -83,7 +83,7 @@ def _head_group(spec: ServiceSpec, generation: str) -> Obj:
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
         "serviceType": "ClusterIP",
         "template": {
-            "metadata": {"labels": _template_labels(spec, "ray-head", generation)},
+            "metadata": {"labels": _template_labels(spec, "ray-head", revision)},
             "spec": pod_spec,
         },
     }
@@ -98,9 +98,9 @@ def gpus(placement_resources: Mapping[str, Any]) -> int:
     return 0
 
 
-def _worker_pod_spec(spec: ServiceSpec, pool: PoolSpec, generation: str) -> Obj:
+def _worker_pod_spec(spec: ServiceSpec, pool: PoolSpec, revision: str) -> Obj:
     resources = podparts.resources(pool.placement, dict(spec.kv.rdma_resources))
-    env = podparts.base_env(spec, pool.name, generation) + podparts.worker_env(spec)
+    env = podparts.base_env(spec, pool.name, revision) + podparts.worker_env(spec)
     # Read by the engine actors this pod hosts (Ray workers inherit the raylet's env).
     env.append({"name": "KVRELAY_ENGINE_ARGS", "value": " ".join(pool.engine_args)})
     container = _ray_container(spec, "ray-worker", resources, env, kv=True)
@@ -124,7 +124,7 @@ def _worker_pod_spec(spec: ServiceSpec, pool: PoolSpec, generation: str) -> Obj:
 
 
 def _worker_group(
-    spec: ServiceSpec, pool: PoolSpec, generation: str, replicas: int, delete: Sequence[str]
+    spec: ServiceSpec, pool: PoolSpec, revision: str, replicas: int, delete: Sequence[str]
 ) -> Obj:
     upper = max(replicas, pool.autoscaling.max_replicas if pool.autoscaling.enabled else 0)
     params = {"num-cpus": str(pool.cpus_per_worker), "resources": ray_resources_param(pool.name)}
@@ -139,8 +139,8 @@ def _worker_group(
         "maxReplicas": upper,
         "rayStartParams": params,
         "template": {
-            "metadata": {"labels": _template_labels(spec, pool.name, generation)},
-            "spec": _worker_pod_spec(spec, pool, generation),
+            "metadata": {"labels": _template_labels(spec, pool.name, revision)},
+            "spec": _worker_pod_spec(spec, pool, revision),
         },
     }
     if delete:
@@ -151,28 +151,28 @@ def _worker_group(
 
 def desired_raycluster(
     spec: ServiceSpec,
-    generation: str,
+    revision: str,
     pool_replicas: Mapping[str, int],
     workers_to_delete: Mapping[str, Sequence[str]] | None = None,
 ) -> Obj:
-    """The RayCluster of `spec`'s `generation`, each worker group at `pool_replicas[pool]`
+    """The RayCluster of `spec`'s `revision`, each worker group at `pool_replicas[pool]`
     workers; `workers_to_delete[pool]`: the pods a shrink removes (already drained)."""
     delete = workers_to_delete or {}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
         "metadata": {
-            "name": raycluster_name(spec.name, generation),
+            "name": raycluster_name(spec.name, revision),
             "namespace": spec.namespace,
-            "labels": {**labels(spec.name, "ray"), GENERATION_LABEL: generation},
+            "labels": {**labels(spec.name, "ray"), REVISION_LABEL: revision},
         },
         "spec": {
             "rayVersion": spec.ray_version,
             "enableInTreeAutoscaling": False,
-            "headGroupSpec": _head_group(spec, generation),
+            "headGroupSpec": _head_group(spec, revision),
             "workerGroupSpecs": [
                 _worker_group(
-                    spec, pool, generation, pool_replicas[pool.name], delete.get(pool.name, ())
+                    spec, pool, revision, pool_replicas[pool.name], delete.get(pool.name, ())
                 )
                 for pool in (spec.prefill, spec.decode)
             ],

@@ -1,9 +1,9 @@
 """One level-based reconcile of a KVRelayService: apply every desired child, shrink pools
-by draining first, retire old generations, read the children back, write the status. The
+by draining first, retire old revisions, read the children back, write the status. The
 same steps run on create, update, resume and every resync tick, so a missed event costs
 nothing but a delay.
 
-The decisions are in the pure modules (`desired`, `drain`, `generation`, `status`); this
+The decisions are in the pure modules (`desired`, `drain`, `revision`, `status`); this
 file only sequences the API calls around them.
 """
 
@@ -20,7 +20,6 @@ from kvrelay_operator.autoscale import parse_rfc3339, rfc3339
 from kvrelay_operator.desired import apply_body, desired_kv_secret, desired_objects, stale_kinds
 from kvrelay_operator.drain import PodInfo, ScaleDown, Step, WorkerInfo, next_step
 from kvrelay_operator.errors import PermanentError, RetryableError, SpecError
-from kvrelay_operator.generation import clusters_to_retire, generation_hash
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.names import (
     API_VERSION,
@@ -34,6 +33,7 @@ from kvrelay_operator.names import (
     raycluster_name,
     router_name,
 )
+from kvrelay_operator.revision import clusters_to_retire, revision_hash
 from kvrelay_operator.router_admin import RouterAdmin, admin_url
 from kvrelay_operator.spec import ServiceSpec, parse_service
 from kvrelay_operator.status import (
@@ -71,11 +71,11 @@ def observed_pool_replicas(kube: Kube, spec: ServiceSpec) -> dict[str, int | Non
     return out
 
 
-def observe(kube: Kube, spec: ServiceSpec, generation: str, sizes: Mapping[str, int]) -> Observed:
+def observe(kube: Kube, spec: ServiceSpec, revision: str, sizes: Mapping[str, int]) -> Observed:
     ns = spec.namespace
-    raycluster = kube.get(*RAY, ns, raycluster_name(spec.name, generation))
+    raycluster = kube.get(*RAY, ns, raycluster_name(spec.name, revision))
     pools = {
-        pool: count_pods(kube.list("v1", "Pod", ns, pool_selector(spec.name, pool, generation)), n)
+        pool: count_pods(kube.list("v1", "Pod", ns, pool_selector(spec.name, pool, revision)), n)
         for pool, n in sizes.items()
     }
     deployment = kube.get("apps/v1", "Deployment", ns, router_name(spec.name))
@@ -127,15 +127,15 @@ def _router_api_key(kube: Kube, spec: ServiceSpec) -> str:
 
 
 def plan_pools(
-    ctx: Context, spec: ServiceSpec, generation: str, wanted: Mapping[str, int], previous: Any
+    ctx: Context, spec: ServiceSpec, revision: str, wanted: Mapping[str, int], previous: Any
 ) -> dict[str, Step]:
     """Each pool's step (drain.next_step), draining through the router where one starts."""
     kube, ns = ctx.kube, spec.namespace
-    cluster = kube.get(*RAY, ns, raycluster_name(spec.name, generation))
+    cluster = kube.get(*RAY, ns, raycluster_name(spec.name, revision))
     groups = _group_sizes(cluster)
     scale_down = (previous or {}).get("scaleDown") or {}
-    if (previous or {}).get("generation") != generation:
-        scale_down = {}  # a shrink of the old generation's cluster: that cluster is retiring
+    if (previous or {}).get("generation") != revision:
+        scale_down = {}  # a shrink of the old revision's cluster: that cluster is retiring
     admin: RouterAdmin | None = None
     workers: list[WorkerInfo] | None = None
     steps = {}
@@ -148,7 +148,7 @@ def plan_pools(
             continue
         pods = [
             _pod_info(p)
-            for p in kube.list("v1", "Pod", ns, pool_selector(spec.name, pool, generation))
+            for p in kube.list("v1", "Pod", ns, pool_selector(spec.name, pool, revision))
         ]
         if admin is None:
             admin = RouterAdmin(ctx.router_url(spec), _router_api_key(kube, spec))
@@ -191,12 +191,12 @@ def _delete_stale(kube: Kube, spec: ServiceSpec) -> None:
             log.debug("no rights to delete %s/%s: %s", kind, name, exc)
 
 
-def retire_generations(kube: Kube, spec: ServiceSpec, generation: str) -> list[str]:
-    """Delete the RayClusters of older generations that no router pod uses any more."""
+def retire_revisions(kube: Kube, spec: ServiceSpec, revision: str) -> list[str]:
+    """Delete the RayClusters of older revisions that no router pod uses any more."""
     ns = spec.namespace
     clusters = kube.list(*RAY, ns, component_selector(spec.name, "ray"))
     routers = kube.list("v1", "Pod", ns, component_selector(spec.name, "router"))
-    retired = clusters_to_retire(clusters, routers, generation)
+    retired = clusters_to_retire(clusters, routers, revision)
     for name in retired:
         log.info("%s/%s: retiring RayCluster %s (no router uses it)", ns, spec.name, name)
         kube.delete(*RAY, ns, name)
@@ -204,7 +204,7 @@ def retire_generations(kube: Kube, spec: ServiceSpec, generation: str) -> list[s
 
 
 def _apply_children(
-    ctx: Context, spec: ServiceSpec, generation: str, previous: Any
+    ctx: Context, spec: ServiceSpec, revision: str, previous: Any
 ) -> tuple[dict[str, int], dict[str, Step]]:
     """Apply every child; returns each pool's wanted size and its step."""
     kube = ctx.kube
@@ -213,7 +213,7 @@ def _apply_children(
     wanted = {
         pool: spec.pool(pool).replicas if size is None else size for pool, size in observed.items()
     }
-    steps = plan_pools(ctx, spec, generation, wanted, previous)
+    steps = plan_pools(ctx, spec, revision, wanted, previous)
     objects = desired_objects(
         spec,
         observed,
@@ -226,7 +226,7 @@ def _apply_children(
             kube.create(obj)
         kube.apply(apply_body(obj))
     _delete_stale(kube, spec)
-    retire_generations(kube, spec, generation)
+    retire_revisions(kube, spec, revision)
     return wanted, steps
 
 
@@ -253,16 +253,16 @@ def reconcile(
     except SpecError as exc:
         _write_error_status(kube, body, "InvalidSpec", str(exc), stamp)
         raise PermanentError(str(exc)) from exc
-    generation = generation_hash(spec)
+    revision = revision_hash(spec)
     try:
-        sizes, steps = _apply_children(ctx, spec, generation, previous)
+        sizes, steps = _apply_children(ctx, spec, revision, previous)
     except (RetryableError, PermanentError) as exc:
         reason = "ApplyRetrying" if isinstance(exc, RetryableError) else "ApplyFailed"
         _write_error_status(kube, body, reason, str(exc), stamp)
         raise
-    observed = observe(kube, spec, generation, sizes)
+    observed = observe(kube, spec, revision, sizes)
     status = service_status(spec, observed, previous, stamp)
-    status["generation"] = generation
+    status["generation"] = revision  # the CRD status field keeps its name
     status["scaleDown"] = {
         pool: None
         if step.record is None
@@ -276,7 +276,7 @@ def reconcile(
             POOL_KIND,
             namespace,
             pool_name(name, pool),
-            pool_status(spec, pool, generation, observed.pools[pool]),
+            pool_status(spec, pool, revision, observed.pools[pool]),
         )
     return observed
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from kvrelay_operator import podparts
 from kvrelay_operator.names import (
-    GENERATION_LABEL,
     GRPC_PORT,
     HTTP_PORT,
     RAY_CLIENT_PORT,
+    REVISION_LABEL,
     labels,
     ray_head_service,
     router_name,
@@ -23,14 +23,14 @@ from kvrelay_operator.spec import ServiceSpec
 API_KEY_ENV = "KVRELAY_API_KEY"
 
 
-def router_command(spec: ServiceSpec, generation: str) -> list[str]:
+def router_command(spec: ServiceSpec, revision: str) -> list[str]:
     """The router's command line (the `kvrelay router` contract), against the Ray cluster of
-    `generation`."""
+    `revision`."""
     command = [
         "kvrelay",
         "router",
         "--ray-address",
-        f"ray://{ray_head_service(spec.name, generation)}:{RAY_CLIENT_PORT}",
+        f"ray://{ray_head_service(spec.name, revision)}:{RAY_CLIENT_PORT}",
         "--model",
         podparts.model_arg(spec),
         "--http-host",
@@ -50,9 +50,9 @@ def router_command(spec: ServiceSpec, generation: str) -> list[str]:
     return command + list(spec.engine_args)
 
 
-def _router_env(spec: ServiceSpec, generation: str) -> list[Obj]:
+def _router_env(spec: ServiceSpec, revision: str) -> list[Obj]:
     # The KV secret: the workers this router starts get it from the router.
-    env = podparts.base_env(spec, "router", generation) + podparts.kv_env(spec)
+    env = podparts.base_env(spec, "router", revision) + podparts.kv_env(spec)
     if spec.router.api_key_secret:
         env.append(
             {
@@ -68,8 +68,8 @@ def _router_env(spec: ServiceSpec, generation: str) -> list[Obj]:
     return env
 
 
-def desired_router_deployment(spec: ServiceSpec, generation: str) -> Obj:
-    """The router pods of `generation`: a new generation changes the template (Ray address,
+def desired_router_deployment(spec: ServiceSpec, revision: str) -> Obj:
+    """The router pods of `revision`: a new revision changes the template (Ray address,
     KVRELAY_GENERATION, its label), so the Deployment rolls to the new RayCluster."""
     return {
         "apiVersion": "apps/v1",
@@ -87,21 +87,19 @@ def desired_router_deployment(spec: ServiceSpec, generation: str) -> Obj:
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
             "template": {
-                "metadata": {
-                    "labels": {**labels(spec.name, "router"), GENERATION_LABEL: generation}
-                },
-                "spec": _router_pod_spec(spec, generation),
+                "metadata": {"labels": {**labels(spec.name, "router"), REVISION_LABEL: revision}},
+                "spec": _router_pod_spec(spec, revision),
             },
         },
     }
 
 
-def _router_pod_spec(spec: ServiceSpec, generation: str) -> Obj:
+def _router_pod_spec(spec: ServiceSpec, revision: str) -> Obj:
     resources = podparts.resources(spec.router.placement)
     pod_spec = podparts.place(
         {
             "securityContext": podparts.pod_security(),
-            "containers": [_router_container(spec, generation, resources)],
+            "containers": [_router_container(spec, revision, resources)],
             "volumes": podparts.volumes(spec, kv=True),
         },
         spec.router.placement,
@@ -113,13 +111,13 @@ def _router_pod_spec(spec: ServiceSpec, generation: str) -> Obj:
     return pod_spec
 
 
-def _router_container(spec: ServiceSpec, generation: str, resources: Obj) -> Obj:
+def _router_container(spec: ServiceSpec, revision: str, resources: Obj) -> Obj:
     container: Obj = {
         "name": "router",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": router_command(spec, generation),
-        "env": _router_env(spec, generation),
+        "command": router_command(spec, revision),
+        "env": _router_env(spec, revision),
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},

@@ -18,7 +18,7 @@ _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
 # A Service name (`<name>-router`) and KubeRay's names must be DNS-1035 labels: a lowercase
 # letter first, no dots. The CRD checks the same pattern (crds.NAME_PATTERN).
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-# Names feed child names such as `<name>-<generation>-head-svc`, which must stay 63 characters.
+# Names feed child names such as `<name>-<revision>-head-svc`, which must stay 63 characters.
 MAX_NAME_LENGTH = 40
 
 
@@ -275,7 +275,7 @@ class ServiceSpec:
     service_monitor: bool = False
     service_monitor_interval: str = "15s"
     service_monitor_labels: Mapping[str, str] = field(default_factory=dict)
-    # The kvrelay the operator runs: part of the generation, since it shapes the pods.
+    # The kvrelay the operator runs: part of the revision, since it shapes the pods.
     kvrelay_version: str = ""
 
     @property

@@ -151,13 +151,13 @@ def service_status(
     return status
 
 
-def pool_status(spec: ServiceSpec, pool: str, generation: str, counts: Counts) -> Obj:
+def pool_status(spec: ServiceSpec, pool: str, revision: str, counts: Counts) -> Obj:
     """A KVRelayPool's status: what the scale subresource and `kubectl get` show (the
-    serving generation's pods)."""
+    serving revision's pods)."""
     return {
         "replicas": counts.current,
         "readyReplicas": counts.ready,
-        "selector": pool_selector(spec.name, pool, generation),
+        "selector": pool_selector(spec.name, pool, revision),
     }
 
 

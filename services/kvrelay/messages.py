@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 # The per-pod environment the operator sets on Ray worker pods (their actors inherit it) and
 # on router pods: the contract between kvrelay_operator and the router and workers.
-GENERATION_ENV = "KVRELAY_GENERATION"  # the worker generation's hash (routers: their own)
+GENERATION_ENV = "KVRELAY_GENERATION"  # the deployment revision's hash (routers: their own)
 POD_NAME_ENV = "KVRELAY_POD_NAME"  # the pod's name (downward API metadata.name)
 NODE_NAME_ENV = "KVRELAY_NODE_NAME"  # the Kubernetes node's name (spec.nodeName)
 
@@ -153,8 +153,9 @@ class WorkerInfo:
     num_blocks: int
     max_model_len: int
     pid: int = 0  # the worker's process, for operators' logs (never sent to clients)
-    # Where it runs and what it is, for pairing and draining: the worker generation (a hash
-    # of image, model, engine args and version; "" off Kubernetes), its pod and node (the
+    # Where it runs and what it is, for pairing and draining: the worker's deployment revision
+    # (a hash of image, model, engine args and version; "" off Kubernetes; router/revisions.py;
+    # the field keeps its wire name, workers of every version send it), its pod and node (the
     # Kubernetes names; the host name and "" off Kubernetes) and its Ray actor name.
     generation: str = ""
     pod: str = ""

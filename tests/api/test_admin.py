@@ -22,12 +22,12 @@ __all__ = ["worker_ray"]
 
 KEY = "admin-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-GENERATION = "0a1b2c3d4e5f"
+REVISION = "0a1b2c3d4e5f"
 
 
 def fake(role: str, engine_id: str, pod: str) -> Any:
     options = ray.remote(FakeWorker).options(num_cpus=0)
-    return options.remote(role, engine_id, generation=GENERATION, pod=pod)
+    return options.remote(role, engine_id, revision=REVISION, pod=pod)
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +70,14 @@ def openai_error(response: httpx.Response, status: int, error_type: str) -> dict
     return error
 
 
-async def test_workers_are_listed_with_pod_node_generation_and_state(
+async def test_workers_are_listed_with_pod_node_revision_and_state(
     admin: tuple[httpx.AsyncClient, dict[str, Any]],
 ) -> None:
     client, _ = admin
     response = await client.get("/admin/v1/workers", headers=AUTH)
     assert response.status_code == 200
     body = response.json()
-    assert (body["router_generation"], body["serving_generation"]) == ("", GENERATION)
+    assert (body["router_generation"], body["serving_generation"]) == ("", REVISION)
     listed = {w["engine_id"]: w for w in body["workers"]}
     assert set(listed) == {"p0", "d0", "d1"}
     assert listed["d0"] == {
@@ -86,7 +86,7 @@ async def test_workers_are_listed_with_pod_node_generation_and_state(
         "role": "decode",
         "pod": "pod-a",
         "node": "",
-        "generation": GENERATION,
+        "generation": REVISION,
         "state": "serving",
         "healthy": True,
         "in_flight": 0,

@@ -17,7 +17,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 GRPC_SERVICES = ("", "kvrelay.v1.Generation")
-# "worker ID (ROLE, pid N[, pod P, generation G]) joined" (router/workers.py's WARNING)
+# "worker ID (ROLE, pid N[, pod P, revision G]) joined" (router/workers.py's WARNING)
 JOINED = re.compile(r"worker (?P<id>\w+) \((?P<role>\w+), pid (?P<pid>\d+)[^)]*\) joined")
 # What a client must never be told: Ray's words, process ids, addresses, tracebacks.
 INTERNALS = re.compile(

@@ -169,7 +169,7 @@ def test_rbac_is_least_privilege(chart: helm.Chart) -> None:
     # Secrets: read one by name (a router's API key), create a KV secret; never list them.
     assert {v for _, res, v in granted if res == "secrets"} == {"get", "create"}
     # Children are garbage-collected through owner references, never deleted by us, except
-    # a ServiceMonitor turned off and the RayCluster of a retired generation.
+    # a ServiceMonitor turned off and the RayCluster of a retired revision.
     deletes = {(g, r) for g, r, v in granted if v == "delete"}
     assert deletes == {("monitoring.coreos.com", "servicemonitors"), ("ray.io", "rayclusters")}
     assert ("kvrelay.io", "kvrelaypools/scale", "patch") in granted

@@ -1,6 +1,6 @@
 """A whole GPU deployment, end to end on paper: the chart rendered by Helm with an example
 KVRelayService on GPUs with RDMA, that service reconciled by the operator's own code
-against the fake API server through two generations (an image upgrade while the old
+against the fake API server through two revisions (an image upgrade while the old
 routers still run), and every object that results validated strictly: built-in kinds with
 kubernetes-validate for each Kubernetes version, the RayClusters against KubeRay's fields,
 our custom resources against their CRDs. These are the objects docs/deploy.md names."""
@@ -15,9 +15,9 @@ import helm_python as helm
 import pytest
 import yaml
 
-from kvrelay_operator.generation import generation_hash
-from kvrelay_operator.names import GENERATION_LABEL, labels
+from kvrelay_operator.names import REVISION_LABEL, labels
 from kvrelay_operator.reconcile import reconcile
+from kvrelay_operator.revision import revision_hash
 from kvrelay_operator.spec import parse_service
 from tests.deploy.schemas import CHART, KUBE_VERSIONS, validate_custom, validate_object
 from tests.operator.fake_api import FakeApi, fake_api
@@ -51,7 +51,7 @@ def _render(values: Obj) -> list[Obj]:
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[dict[str, Any]]:
-    """The chart's objects, and the operator's after two generations, by kind."""
+    """The chart's objects, and the operator's after two revisions, by kind."""
     chart_objects = _render(VALUES)
     (service,) = [o for o in chart_objects if o["kind"] == "KVRelayService"]
     body = validate_custom({**service, "metadata": {**service["metadata"], "uid": "u-1"}})
@@ -61,7 +61,7 @@ def deployment() -> Iterator[dict[str, Any]]:
         path = "/apis/kvrelay.io/v1alpha1/namespaces/llm/kvrelayservices/chat"
         fake.put(path, body)
         reconcile(kube, fake.objects[path], image, T0, router_url=lambda _: "http://127.0.0.1:9")
-        old = generation_hash(parse_service(body, image))
+        old = revision_hash(parse_service(body, image))
         _router_pod(fake, "chat-router-old", old)
         upgraded = copy.deepcopy(fake.objects[path])
         upgraded["spec"]["image"] = "registry.local/kvrelay:0.2.0"
@@ -70,7 +70,7 @@ def deployment() -> Iterator[dict[str, Any]]:
         reconcile(
             kube, fake.objects[path], image, T0 + 60, router_url=lambda _: "http://127.0.0.1:9"
         )
-        new = generation_hash(parse_service(upgraded, image))
+        new = revision_hash(parse_service(upgraded, image))
         operator_objects = [
             o for p, o in fake.objects.items() if "/pods/" not in p and "/kvrelayservices/" not in p
         ]
@@ -78,12 +78,12 @@ def deployment() -> Iterator[dict[str, Any]]:
         "chart": chart_objects,
         "operator": operator_objects,
         "service": fake.objects[path],
-        "generations": (old, new),
+        "revisions": (old, new),
     }
 
 
-def _router_pod(fake: FakeApi, name: str, generation: str) -> None:
-    meta = {"name": name, "labels": {**labels("chat", "router"), GENERATION_LABEL: generation}}
+def _router_pod(fake: FakeApi, name: str, revision: str) -> None:
+    meta = {"name": name, "labels": {**labels("chat", "router"), REVISION_LABEL: revision}}
     fake.put(f"/api/v1/namespaces/llm/pods/{name}", {"metadata": meta})
 
 
@@ -109,30 +109,30 @@ def test_the_chart_gives_the_example_gpus(deployment: dict[str, Any]) -> None:
     assert service["spec"]["engineArgs"] == ["--device=cuda"]
 
 
-def test_two_generations_run_side_by_side_during_the_upgrade(deployment: dict[str, Any]) -> None:
-    old, new = deployment["generations"]
+def test_two_revisions_run_side_by_side_during_the_upgrade(deployment: dict[str, Any]) -> None:
+    old, new = deployment["revisions"]
     assert old != new
     kinds = _kinds(deployment["operator"])
     clusters = {c["metadata"]["name"]: c for c in kinds["RayCluster"]}
     assert sorted(clusters) == sorted([f"chat-{old[:8]}", f"chat-{new[:8]}"])
     for name, cluster in clusters.items():
-        generation = cluster["metadata"]["labels"][GENERATION_LABEL]
-        assert name == f"chat-{generation[:8]}"
+        revision = cluster["metadata"]["labels"][REVISION_LABEL]
+        assert name == f"chat-{revision[:8]}"
         for group in cluster["spec"]["workerGroupSpecs"]:
             pod = group["template"]["spec"]
             (container,) = pod["containers"]
             env = {e["name"]: e.get("value") for e in container["env"]}
-            assert env["KVRELAY_GENERATION"] == generation
+            assert env["KVRELAY_GENERATION"] == revision
             assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc"
             assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
             assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
             assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
             assert pod["imagePullSecrets"] == [{"name": "regcred"}]
             assert group["rayStartParams"]["num-gpus"] == "1"
-    # The router rolled to the new generation's cluster.
+    # The router rolled to the new revision's cluster.
     (router,) = kinds["Deployment"]
     template = router["spec"]["template"]
-    assert template["metadata"]["labels"][GENERATION_LABEL] == new
+    assert template["metadata"]["labels"][REVISION_LABEL] == new
     assert f"ray://chat-{new[:8]}-head-svc:10001" in template["spec"]["containers"][0]["command"]
     assert deployment["service"]["status"]["generation"] == new
 
@@ -140,7 +140,7 @@ def test_two_generations_run_side_by_side_during_the_upgrade(deployment: dict[st
 def test_the_operator_makes_exactly_these_objects(deployment: dict[str, Any]) -> None:
     """docs/deploy.md ("What the chart installs") names these; keep both in step."""
     names = sorted((o["kind"], o["metadata"]["name"]) for o in deployment["operator"])
-    old, new = deployment["generations"]
+    old, new = deployment["revisions"]
     assert names == sorted(
         [
             ("Deployment", "chat-router"),
@@ -179,8 +179,8 @@ def test_the_documented_example_is_valid_and_makes_the_objects_it_names() -> Non
     for obj in objects:
         for version in KUBE_VERSIONS:
             validate_object(obj, version)
-    generation = generation_hash(spec)
+    revision = revision_hash(spec)
     names = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    assert ("RayCluster", f"chat-{generation[:8]}") in names
+    assert ("RayCluster", f"chat-{revision[:8]}") in names
     assert {("Deployment", "chat-router"), ("Service", "chat-router")} <= names
     assert {("KVRelayPool", "chat-prefill"), ("KVRelayPool", "chat-decode")} <= names

@@ -33,11 +33,11 @@ def service(spec: dict[str, Any] | None = None, **kwargs: Any) -> ServiceSpec:
 
 
 def cluster_of(spec: dict[str, Any] | None = None) -> str:
-    """The RayCluster name of the generation `spec` makes (a service named demo)."""
-    from kvrelay_operator.generation import generation_hash
+    """The RayCluster name of the revision `spec` makes (a service named demo)."""
     from kvrelay_operator.names import raycluster_name
+    from kvrelay_operator.revision import revision_hash
 
-    return raycluster_name("demo", generation_hash(service(spec or {})))
+    return raycluster_name("demo", revision_hash(service(spec or {})))
 
 
 def worker_pod(

@@ -14,9 +14,9 @@ from kvrelay_operator.desired import (
     object_key,
     stale_kinds,
 )
-from kvrelay_operator.generation import generation_hash
 from kvrelay_operator.names import raycluster_name
 from kvrelay_operator.raycluster import ray_resources_param
+from kvrelay_operator.revision import revision_hash
 from kvrelay_operator.router import router_command
 from tests.deploy.schemas import validate_everywhere
 from tests.operator.services import IMAGE, service
@@ -110,12 +110,12 @@ def test_every_child_is_valid_owned_and_labelled(case: str) -> None:
 def test_router_command_follows_the_contract(case: str, model: str, extra: list[str]) -> None:
     spec = service(SPECS[case])
     backend = "grpc" if case == "pvc-model-grpc-lb" else "nixl"
-    generation = generation_hash(spec)
-    assert router_command(spec, generation) == [
+    revision = revision_hash(spec)
+    assert router_command(spec, revision) == [
         "kvrelay",
         "router",
         "--ray-address",
-        f"ray://demo-{generation[:8]}-head-svc:10001",
+        f"ray://demo-{revision[:8]}-head-svc:10001",
         "--model",
         model,
         "--http-host",
@@ -255,9 +255,9 @@ NEW = "new"  # and of the spec after it
         ({}, []),
         ({"router": {"replicas": 4}}, [("apps/v1", "Deployment", "demo-router")]),
         ({"router": {"serviceType": "NodePort"}}, [("v1", "Service", "demo-router")]),
-        # Placement is not engine behaviour: the same generation's cluster changes in place.
+        # Placement is not engine behaviour: the same revision's cluster changes in place.
         ({"decode": {"cpusPerWorker": 8}}, [("ray.io/v1", "RayCluster", OLD)]),
-        # A new generation: a new RayCluster beside the old, and the router rolls to it.
+        # A new revision: a new RayCluster beside the old, and the router rolls to it.
         (
             {"kvTransfer": {"backend": "grpc"}},
             [
@@ -288,8 +288,8 @@ def test_a_spec_change_changes_only_the_objects_it_should(
     observed: dict[str, int | None] = {"prefill": 1, "decode": 1}
     old, new = service({}), service(change, generation=2)
     names = {
-        OLD: raycluster_name("demo", generation_hash(old)),
-        NEW: raycluster_name("demo", generation_hash(new)),
+        OLD: raycluster_name("demo", revision_hash(old)),
+        NEW: raycluster_name("demo", revision_hash(new)),
     }
     before = desired_objects(old, observed)
     after = desired_objects(new, observed)

@@ -74,7 +74,7 @@ def test_pick_never_takes_a_terminating_pod() -> None:
 def test_growing_is_immediate_and_needs_no_record() -> None:
     assert next_step(5, 3, None, PODS, None, 0.0, 300) == Step(group_replicas=5)
     assert next_step(3, 3, None, PODS, None, 0.0, 300) == Step(group_replicas=3)
-    # No cluster yet (a new generation): it starts at the pool's size.
+    # No cluster yet (a new revision): it starts at the pool's size.
     assert next_step(2, None, None, [], None, 0.0, 300) == Step(group_replicas=2)
 
 

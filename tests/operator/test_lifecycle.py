@@ -1,6 +1,6 @@
 """Worker lifecycle through whole reconciles against the fake API server and a router that
 speaks the admin API: a shrink drains first and names its pods (defect 3), a spec change
-starts a new generation's RayCluster and retires the old one only when no router uses it
+starts a new revision's RayCluster and retires the old one only when no router uses it
 (defect 4), the KV secret is made once (defect 2), a missing ServiceMonitor right does not
 wedge the reconcile (defect 5)."""
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from kvrelay_operator.errors import PermanentError
-from kvrelay_operator.generation import generation_hash
 from kvrelay_operator.kube import Kube
-from kvrelay_operator.names import GENERATION_LABEL, labels
+from kvrelay_operator.names import REVISION_LABEL, labels
 from kvrelay_operator.reconcile import reconcile
+from kvrelay_operator.revision import revision_hash
 from tests.deploy.schemas import validate_everywhere
 from tests.operator.fake_api import FakeApi, fake_api
 from tests.operator.router_stub import RouterStub, router_stub
@@ -138,48 +138,48 @@ def test_a_silent_router_delays_a_shrink_only_until_the_drain_timeout(
     assert group["replicas"] == 2 and len(group["scaleStrategy"]["workersToDelete"]) == 1
 
 
-def _router_pod(name: str, generation: str, terminating: bool = False) -> dict[str, Any]:
+def _router_pod(name: str, revision: str, terminating: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name,
-        "labels": {**labels("demo", "router"), GENERATION_LABEL: generation},
+        "labels": {**labels("demo", "router"), REVISION_LABEL: revision},
     }
     if terminating:
         meta["deletionTimestamp"] = "2026-11-29T10:00:00Z"
     return {"metadata": meta, "status": {"phase": "Running"}}
 
 
-def test_a_new_generation_gets_its_own_cluster_and_the_old_one_goes_after_the_routers(
+def test_a_new_revision_gets_its_own_cluster_and_the_old_one_goes_after_the_routers(
     api: tuple[FakeApi, Kube],
 ) -> None:
     fake, kube = api
     old_spec = {"image": "kvrelay:1"}
     new_spec = {"image": "kvrelay:2"}
-    old_gen, new_gen = generation_hash(service(old_spec)), generation_hash(service(new_spec))
+    old_rev, new_rev = revision_hash(service(old_spec)), revision_hash(service(new_spec))
     old, new = f"{RAYS}/{cluster_of(old_spec)}", f"{RAYS}/{cluster_of(new_spec)}"
     fake.put(SVC, service_body(old_spec))
     _run(fake, kube, T0)
-    assert fake.objects[SVC]["status"]["generation"] == old_gen
-    fake.put(f"{PODS}/router-a", _router_pod("router-a", old_gen))
+    assert fake.objects[SVC]["status"]["generation"] == old_rev
+    fake.put(f"{PODS}/router-a", _router_pod("router-a", old_rev))
 
     # The image changes: a second cluster, the router rolls to it, the old one stays.
     body = service_body(new_spec, generation=2, status=fake.objects[SVC]["status"])
     fake.put(SVC, body)
     _run(fake, kube, T0 + 10)
     assert old in fake.objects and new in fake.objects
-    assert fake.objects[new]["metadata"]["labels"][GENERATION_LABEL] == new_gen
+    assert fake.objects[new]["metadata"]["labels"][REVISION_LABEL] == new_rev
     deployment = fake.objects["/apis/apps/v1/namespaces/llm/deployments/demo-router"]
     template = deployment["spec"]["template"]
-    assert template["metadata"]["labels"][GENERATION_LABEL] == new_gen
+    assert template["metadata"]["labels"][REVISION_LABEL] == new_rev
     command = template["spec"]["containers"][0]["command"]
     assert (
         command[command.index("--ray-address") + 1]
         == f"ray://{cluster_of(new_spec)}-head-svc:10001"
     )
-    assert fake.objects[SVC]["status"]["generation"] == new_gen
+    assert fake.objects[SVC]["status"]["generation"] == new_rev
 
     # A new router is up; the old one is terminating (it may still stream): keep its cluster.
-    fake.put(f"{PODS}/router-b", _router_pod("router-b", new_gen))
-    fake.put(f"{PODS}/router-a", _router_pod("router-a", old_gen, terminating=True))
+    fake.put(f"{PODS}/router-b", _router_pod("router-b", new_rev))
+    fake.put(f"{PODS}/router-a", _router_pod("router-a", old_rev, terminating=True))
     _run(fake, kube, T0 + 20)
     assert old in fake.objects
     assert not any(r.method == "DELETE" and r.path == old for r in fake.requests)
@@ -192,11 +192,11 @@ def test_a_new_generation_gets_its_own_cluster_and_the_old_one_goes_after_the_ro
     assert new in fake.objects
 
 
-def test_a_cluster_from_before_generations_goes_once_its_routers_do(
+def test_a_cluster_from_before_revisions_goes_once_its_routers_do(
     api: tuple[FakeApi, Kube],
 ) -> None:
     """An upgrade of the operator itself: the cluster it made before is named after the
-    service and carries no generation; its routers neither."""
+    service and carries no revision; its routers neither."""
     fake, kube = api
     legacy = {"metadata": {"name": "demo", "labels": labels("demo", "ray")}, "spec": {}}
     fake.put(f"{RAYS}/demo", legacy)

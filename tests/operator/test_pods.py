@@ -10,7 +10,7 @@ import pytest
 
 from kvrelay.worker.priority import ENGINE_NICENESS, RAY_WORKER_NICENESS_ENV
 from kvrelay_operator.desired import desired_objects
-from kvrelay_operator.generation import generation_hash
+from kvrelay_operator.revision import revision_hash
 from tests.deploy.schemas import KUBE_VERSIONS, validate_everywhere, validate_object
 from tests.operator.services import service
 
@@ -81,7 +81,7 @@ def test_worker_pods_carry_their_identity_and_bind_the_kv_relay_on_the_pod_ip() 
         }
         assert env["KVRELAY_POD_NAME"]["fieldRef"]["fieldPath"] == "metadata.name"
         assert env["KVRELAY_NODE_NAME"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-        assert env["KVRELAY_GENERATION"] == generation_hash(spec)
+        assert env["KVRELAY_GENERATION"] == revision_hash(spec)
         assert env["KVRELAY_KV_SECRET_FILE"] == "/var/run/secrets/kvrelay/kv/secret"
         mounts = pods[pool]["containers"][0]["volumeMounts"]
         assert {
@@ -92,7 +92,7 @@ def test_worker_pods_carry_their_identity_and_bind_the_kv_relay_on_the_pod_ip() 
         (volume,) = [v for v in pods[pool]["volumes"] if v["name"] == "kv-secret"]
         assert volume["secret"]["secretName"] == "demo-kv"
     router_env = _env(pods["router"])
-    assert router_env["KVRELAY_GENERATION"] == generation_hash(spec)
+    assert router_env["KVRELAY_GENERATION"] == revision_hash(spec)
     assert router_env["KVRELAY_KV_SECRET_FILE"] == "/var/run/secrets/kvrelay/kv/secret"
     assert "KVRELAY_KV_HOST" not in router_env  # the router serves no KV
     assert "kv-secret" not in {v["name"] for v in pods["head"]["volumes"]}  # nor does the head

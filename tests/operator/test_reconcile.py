@@ -10,10 +10,10 @@ import pytest
 
 from kvrelay_operator.autoscale import parse_rfc3339, plan_service
 from kvrelay_operator.errors import PermanentError, RetryableError
-from kvrelay_operator.generation import generation_hash
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.metrics import OperatorMetrics
 from kvrelay_operator.reconcile import reconcile
+from kvrelay_operator.revision import revision_hash
 from tests.operator.fake_api import FakeApi, fake_api
 from tests.operator.services import IMAGE, cluster_of, service, service_body, worker_pod
 
@@ -23,9 +23,9 @@ NOW = parse_rfc3339("2026-11-29T10:00:00Z") or 0.0
 
 
 def ray_path(spec: dict[str, Any] | None = None) -> str:
-    """The RayCluster of the generation `spec` makes."""
-    generation = generation_hash(service(spec or {}))
-    return f"/apis/ray.io/v1/namespaces/llm/rayclusters/demo-{generation[:8]}"
+    """The RayCluster of the revision `spec` makes."""
+    revision = revision_hash(service(spec or {}))
+    return f"/apis/ray.io/v1/namespaces/llm/rayclusters/demo-{revision[:8]}"
 
 
 RAY = ray_path()

@@ -199,7 +199,7 @@ def test_pool_status_gives_the_scale_subresource_a_selector() -> None:
     assert status == {
         "replicas": 2,
         "readyReplicas": 1,
-        # The serving generation's pods: the new cluster's once a generation rolls out.
+        # The serving revision's pods: the new cluster's once a revision rolls out.
         "selector": "ray.io/cluster=demo-01234567,ray.io/group=decode",
     }
 

@@ -113,12 +113,12 @@ class FakeWorker(ChannelEndpoint):
         num_blocks: int = 1024,
         max_model_len: int = 4096,
         *,
-        generation: str = "",
+        revision: str = "",
         pod: str = "fake-pod",
         **faults: Any,
     ) -> None:
         self.role = Role(role)
-        self.generation, self.pod = generation, pod
+        self.revision, self.pod = revision, pod
         self.state_of_drain = DrainState.SERVING
         self.engine_id = engine_id or f"fake-{self.role}-{uuid.uuid4().hex[:8]}"
         self.num_blocks = num_blocks
@@ -294,7 +294,7 @@ class FakeWorker(ChannelEndpoint):
             hash_extra_keys=(),
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
-            generation=self.generation,
+            generation=self.revision,
             pod=self.pod,
             name=f"kvrelay-{self.role}-{self.pod}",
         )

@@ -1,7 +1,7 @@
 """Worker lifecycle under a router, with fake worker actors on the session's real Ray cluster:
 every registry call is bounded (a hung actor stalls neither a join nor the refresh loop: stats,
 dead-worker removal and discovery go on), draining (no new requests, those in flight finish,
-every router replica sees it), and generations paired end to end, migration included."""
+every router replica sees it), and revisions paired end to end, migration included."""
 
 from __future__ import annotations
 
@@ -223,20 +223,20 @@ async def _live_at(actor: Any, request_id: str) -> bool:
     return request_id in (await state(actor)).requests
 
 
-# -- generations, end to end --
+# -- revisions, end to end --
 
 
 def fresh_prompt(i: int) -> list[int]:
     return [1000 * (i + 1) + token for token in PROMPT]
 
 
-async def test_prefill_and_decode_pair_within_the_routers_generation(
+async def test_prefill_and_decode_pair_within_the_routers_revision(
     actors: Actors, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    old_p = actors.fake("prefill", "p-old", generation=OLD, pod="old-p")
-    old_d = actors.fake("decode", "d-old", generation=OLD, pod="old-d")
-    new_p = actors.fake("prefill", "p-new", generation=NEW, pod="new-p")
-    new_d = actors.fake("decode", "d-new", generation=NEW, pod="new-d")
+    old_p = actors.fake("prefill", "p-old", revision=OLD, pod="old-p")
+    old_d = actors.fake("decode", "d-old", revision=OLD, pod="old-d")
+    new_p = actors.fake("prefill", "p-new", revision=NEW, pod="new-p")
+    new_d = actors.fake("decode", "d-new", revision=NEW, pod="new-d")
     monkeypatch.setenv("KVRELAY_GENERATION", NEW)
     router = await router_over(old_p, old_d, new_p, new_d)
     params = SamplingParams(max_tokens=3)
@@ -244,11 +244,11 @@ async def test_prefill_and_decode_pair_within_the_routers_generation(
         await bounded(complete(router, fresh_prompt(i), params, f"n{i}"))
     new_p_state, new_d_state = await state(new_p), await state(new_d)
     assert new_p_state.called("prefill") == ["n0", "n1", "n2"]
-    assert new_p_state.bound_to == ("d-new",) * 3  # each handle bound to its own generation's D
+    assert new_p_state.bound_to == ("d-new",) * 3  # each handle bound to its own revision's D
     assert new_d_state.called("generate") == ["n0", "n1", "n2"]
     assert (await state(old_p)).calls == () and (await state(old_d)).calls == ()
 
-    # Its generation's decoder drains away: the old generation serves, paired with itself.
+    # Its revision's decoder drains away: the old revision serves, paired with itself.
     await bounded(router.registry.drain({"new-d"}))
     for i in range(3):
         await bounded(complete(router, fresh_prompt(10 + i), params, f"o{i}"))
@@ -256,25 +256,25 @@ async def test_prefill_and_decode_pair_within_the_routers_generation(
     assert (await state(new_p)).called("prefill") == ["n0", "n1", "n2"]  # never paired with D-old
 
 
-async def test_a_migrated_stream_resumes_in_its_own_generation(
+async def test_a_migrated_stream_resumes_in_its_own_revision(
     actors: Actors, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prefill = actors.fake("prefill", "p-new", generation=NEW)
-    dying = actors.fake("decode", "d-new", generation=NEW, step_s=0.2)
-    other_generation = actors.fake("decode", "d-old", generation=OLD)
+    prefill = actors.fake("prefill", "p-new", revision=NEW)
+    dying = actors.fake("decode", "d-new", revision=NEW, step_s=0.2)
+    other_revision = actors.fake("decode", "d-old", revision=OLD)
     monkeypatch.setenv("KVRELAY_GENERATION", NEW)
-    router = await router_over(prefill, dying, other_generation)
+    router = await router_over(prefill, dying, other_revision)
     params = SamplingParams(max_tokens=12)
     streaming = asyncio.create_task(
         collect_stream(router.generate(GenerateRequest("moving", PROMPT, params)))
     )
     await eventually(lambda: _live_at(dying, "moving"), "the stream at d-new")
-    spare = actors.fake("decode", "d-new-2", generation=NEW)
+    spare = actors.fake("decode", "d-new-2", revision=NEW)
     await router.registry.add(spare)
     ray.kill(dying)
     assert await bounded(streaming) == model_tokens(PROMPT, 12)
     assert [rid for rid, _ in (await state(spare)).resumed] == ["moving"]
-    assert (await state(other_generation)).calls == ()
+    assert (await state(other_revision)).calls == ()
 
 
 # -- KV that does not travel is said in the router's log --
@@ -297,15 +297,15 @@ async def test_a_decode_workers_failed_pulls_are_a_warning_at_the_router(
     assert "d0" in message and "1 KV pull(s) failed" in message
 
 
-async def test_a_stream_migrates_within_its_generation_even_after_the_serving_one_changed(
+async def test_a_stream_migrates_within_its_revision_even_after_the_serving_one_changed(
     actors: Actors, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stream started on the old generation (the router's own had no worker yet); then its
-    own generation comes up, and the stream's decoder dies: it must resume on a decoder of the
-    old generation (the same model and engine), not on the now-serving new one."""
-    old_p = actors.fake("prefill", "p-old", generation=OLD)
-    dying = actors.fake("decode", "d-old", generation=OLD, step_s=0.2)
-    spare = actors.fake("decode", "d-old-2", generation=OLD)
+    """A stream started on the old revision (the router's own had no worker yet); then its
+    own revision comes up, and the stream's decoder dies: it must resume on a decoder of the
+    old revision (the same model and engine), not on the now-serving new one."""
+    old_p = actors.fake("prefill", "p-old", revision=OLD)
+    dying = actors.fake("decode", "d-old", revision=OLD, step_s=0.2)
+    spare = actors.fake("decode", "d-old-2", revision=OLD)
     monkeypatch.setenv("KVRELAY_GENERATION", NEW)
     router = await router_over(old_p, dying)
     streaming = asyncio.create_task(
@@ -314,11 +314,11 @@ async def test_a_stream_migrates_within_its_generation_even_after_the_serving_on
         )
     )
     await eventually(lambda: _live_at(dying, "older"), "the stream at d-old")
-    new_p = actors.fake("prefill", "p-new", generation=NEW)
-    new_d = actors.fake("decode", "d-new", generation=NEW)
+    new_p = actors.fake("prefill", "p-new", revision=NEW)
+    new_d = actors.fake("decode", "d-new", revision=NEW)
     for worker in (spare, new_p, new_d):
         await router.registry.add(worker)
-    assert router.registry.serving_generation() == NEW
+    assert router.registry.serving_revision() == NEW
     ray.kill(dying)
     assert await bounded(streaming) == model_tokens(PROMPT, 12)
     assert (await state(new_d)).calls == ()

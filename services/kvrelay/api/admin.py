@@ -40,7 +40,7 @@ def worker_entry(worker: WorkerState) -> dict[str, Any]:
         "role": info.role.value,
         "pod": info.pod,
         "node": info.node,
-        "generation": info.generation,
+        "generation": worker.revision,  # the deployment revision; the key stays
         "state": state.value,
         "healthy": worker.healthy,
         "in_flight": worker.requests_in_flight,
@@ -55,10 +55,11 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, dependencies: list[
         listed = sorted(registry.workers.values(), key=lambda w: (w.role, w.info.pod))
         return {
             "workers": [worker_entry(w) for w in listed],
-            # Which generation this router prefers, and which one its new requests go to now
-            # (another while its own has no decode worker; null: none can decode).
-            "router_generation": registry.generation,
-            "serving_generation": registry.serving_generation(),
+            # Which revision this router prefers, and which one its new requests go to now
+            # (another while its own has no decode worker; null: none can decode). The keys
+            # say "generation": the operator and scripts read them.
+            "router_generation": registry.revision,
+            "serving_generation": registry.serving_revision(),
         }
 
     @app.post(DRAIN_PATH, dependencies=dependencies, status_code=202)

@@ -92,18 +92,18 @@ class Relay:
         elsewhere, up to `max_attempts` times: retried whole if it had produced no token yet,
         else migrated: resumed at a decode-capable worker after the tokens it already has, so
         the client's stream goes on with no gap and no repeat."""
-        lost_generation: str | None = None  # the generation the sample's tokens came from
+        lost_revision: str | None = None  # the revision the sample's tokens came from
         for attempt in range(1, self.config.max_attempts + 1):
             try:
                 if run.state.token_ids:
-                    await self._migrate(run, hashes, block_size, lost_generation)
+                    await self._migrate(run, hashes, block_size, lost_revision)
                 else:
                     if attempt > 1:  # the pools may be down to no decode worker: wait for one
                         await self._decode_capable(RouteQuery(hashes, 0))
                     await self._run_once(run, hashes, block_size)
                 return
             except WorkerLostError as exc:
-                lost_generation = exc.worker.generation
+                lost_revision = exc.worker.revision
                 self.registry.remove(exc.worker.worker_id, str(exc))
                 logger.warning(
                     "request %s (attempt %d of %d): %s",
@@ -120,29 +120,27 @@ class Relay:
                     ) from exc
 
     async def _migrate(
-        self, run: SampleRun, hashes: Sequence[bytes], block_size: int, generation: str | None
+        self, run: SampleRun, hashes: Sequence[bytes], block_size: int, revision: str | None
     ) -> None:
-        """Resume the sample at a healthy decode-capable worker of `generation` (the lost
+        """Resume the sample at a healthy decode-capable worker of `revision` (the lost
         worker's: the same model and engine made its tokens so far) after those tokens,
         waiting (up to `migration_wait_s`) for one to exist: a pool of one is being replaced."""
         done = run.state.token_ids
         blocks_needed = -(-(len(run.prompt) + (run.params.max_tokens or len(done))) // block_size)
-        worker = await self._decode_capable(RouteQuery(hashes, blocks_needed), generation)
+        worker = await self._decode_capable(RouteQuery(hashes, blocks_needed), revision)
         self.metrics.migrations.labels("resumed").inc()
         self.registry.index.record(worker.worker_id, hashes)
         await self._stream(run, worker, None, resume=list(done))
 
-    async def _decode_capable(
-        self, query: RouteQuery, generation: str | None = None
-    ) -> WorkerState:
-        """A healthy decode-capable worker for `query` of `generation` (default: the serving
+    async def _decode_capable(self, query: RouteQuery, revision: str | None = None) -> WorkerState:
+        """A healthy decode-capable worker for `query` of `revision` (default: the serving
         one), waiting up to `migration_wait_s` for one to exist (a worker just lost; its
         replacement is starting)."""
         deadline = time.monotonic() + self.config.migration_wait_s
         while True:
             candidates = [
-                *self.registry.healthy(Role.DECODE, generation),
-                *self.registry.healthy(Role.BOTH, generation),
+                *self.registry.healthy(Role.DECODE, revision),
+                *self.registry.healthy(Role.BOTH, revision),
             ]
             worker = self.policy.pick(candidates, query, self.registry.index)
             if worker is not None:

@@ -263,7 +263,7 @@ class Router:
 
     def _hashing(self) -> tuple[int, tuple[str, ...]]:
         """How the workers that will serve the request hash its blocks: a decode worker of the
-        serving generation's (another generation may use another block size or model)."""
+        serving revision's (another revision may use another block size or model)."""
         serving = self.registry.healthy(Role.DECODE) or self.registry.healthy(Role.BOTH)
         worker = next(iter(serving or self.registry.workers.values()), None)
         if worker is None:

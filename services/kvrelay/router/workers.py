@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.messages import DrainState, EngineStats, PeerMetadata, Role, WorkerInfo, WorkerStatus
-from kvrelay.router.generations import own_generation, pick_generation
 from kvrelay.router.kv_reach import warn_if_unreachable, warn_of_fallbacks
 from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.revisions import own_revision, pick_revision
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class WorkerState:
         return self.info.role
 
     @property
-    def generation(self) -> str:
+    def revision(self) -> str:
+        """The deployment revision it runs (router/revisions.py; WorkerInfo's `generation`)."""
         return self.info.generation
 
     @property
@@ -93,14 +94,14 @@ class WorkerRegistry:
         dead_after_s: float = 60.0,
         readopt_interval_s: float = 1.0,
         join_timeout_s: float = 600.0,
-        generation: str | None = None,
+        revision: str | None = None,
     ) -> None:
         """`stats_timeout_s` bounds each call to a worker that is up; `join_timeout_s` how
         long `add` waits for a worker to come up (its engine loads its model first);
-        `generation`: the one new requests prefer (default $KVRELAY_GENERATION; "" for any)."""
+        `revision`: the one new requests prefer (default $KVRELAY_GENERATION; "" for any)."""
         self._dead_after_s = dead_after_s
         self._join_timeout_s = join_timeout_s
-        self.generation = own_generation() if generation is None else generation
+        self.revision = own_revision() if revision is None else revision
         self._readopt_interval_s = readopt_interval_s
         self.workers: dict[str, WorkerState] = {}
         self.index = PrefixIndex()
@@ -122,26 +123,26 @@ class WorkerRegistry:
         # new life does not have the flag.
         self.draining_pods: set[str] = set()
 
-    def serving_generation(self) -> str | None:
-        """The generation new requests go to (generations.pick_generation); None: no worker
-        can decode now."""
-        serving = [(w.generation, w.role) for w in self.workers.values() if w.serving]
-        return pick_generation(serving, self.generation)
+    def serving_revision(self) -> str | None:
+        """The revision new requests go to (revisions.pick_revision); None: no worker can
+        decode now."""
+        serving = [(w.revision, w.role) for w in self.workers.values() if w.serving]
+        return pick_revision(serving, self.revision)
 
-    def healthy(self, role: Role, generation: str | None = None) -> list[WorkerState]:
+    def healthy(self, role: Role, revision: str | None = None) -> list[WorkerState]:
         """The workers of `role` that may take new requests (alive, engine loop running, not
-        draining), of `generation` (default: the serving generation), so that a prefill and
-        a decode worker picked from these lists always pair within one generation."""
-        if generation is None:
-            generation = self.serving_generation()
+        draining), of `revision` (default: the serving revision), so that a prefill and a
+        decode worker picked from these lists always pair within one revision."""
+        if revision is None:
+            revision = self.serving_revision()
         return [
             w
             for w in self.workers.values()
-            if w.role == role and w.serving and (generation is None or w.generation == generation)
+            if w.role == role and w.serving and (revision is None or w.revision == revision)
         ]
 
     def roles(self) -> set[Role]:
-        """The roles of which at least one worker takes new requests (serving generation)."""
+        """The roles of which at least one worker takes new requests (serving revision)."""
         return {role for role in Role if self.healthy(role)}
 
     def decode_token_capacity(self) -> int:
@@ -208,7 +209,7 @@ class WorkerRegistry:
         state.stats = await self._ask(handle.stats.remote())
         self.workers[info.engine_id] = state
         logger.warning(
-            "worker %s (%s, pid %d, pod %s, generation %s) joined",
+            "worker %s (%s, pid %d, pod %s, revision %s) joined",
             info.engine_id,
             info.role,
             info.pid,

@@ -1,0 +1,85 @@
+"""Worker revisions: which engine a pod runs, and when an old revision may go.
+
+A revision is a short hash of everything that changes what an engine computes (image,
+model, engine flags, the KV transport, the kvrelay and Ray versions). Workers report it, and a
+router pairs prefill and decode workers of one revision only, so a change never mixes P
+and D that disagree on the KV layout or the model.
+
+Upgrades are blue/green: each revision gets its own RayCluster (`<service>-<rev[:8]>`).
+KubeRay's RayCluster has no upgrade strategy (only RayService has), and one Ray cluster
+cannot mix Ray or kvrelay versions in its head, so an in-place roll is not an option. The
+router Deployment rolls to the new cluster (a new pod template: new Ray address, new
+KVRELAY_GENERATION); its readiness (/health needs a worker) holds the old routers until new
+ones serve; an old RayCluster is deleted once no router pod of its revision remains,
+terminating ones included (they may still stream). Pure: no I/O.
+
+The names outside the code keep the older word: $KVRELAY_GENERATION, the label
+`kvrelay.io/generation` and the status field `generation` (running deployments and their
+users read them); `metadata.generation` / `observedGeneration` are Kubernetes' own, another
+thing (a spec's edit count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvrelay_operator.names import REVISION_LABEL
+from kvrelay_operator.spec import ServiceSpec
+
+REVISION_LENGTH = 12
+
+
+def revision_inputs(spec: ServiceSpec) -> dict[str, Any]:
+    """What names a revision: every field that changes an engine's behaviour."""
+    model = spec.model
+    return {
+        "image": spec.image,
+        "model": [
+            model.source,
+            model.pvc_claim,
+            model.pvc_path,
+            model.folder,
+            model.image_ref,
+            model.image_path,
+        ],
+        "engineArgs": list(spec.engine_args),
+        "prefillArgs": list(spec.prefill.engine_args),
+        "decodeArgs": list(spec.decode.engine_args),
+        "kvBackend": spec.kv.backend,
+        "kvrelay": spec.kvrelay_version,
+        "ray": spec.ray_version,
+    }
+
+
+def revision_hash(spec: ServiceSpec) -> str:
+    """12 hex characters naming the spec's worker revision."""
+    canonical = json.dumps(revision_inputs(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]
+
+
+def revision_of(obj: Mapping[str, Any]) -> str:
+    """An object's revision label; "" for one made before revisions (or not ours)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return str(labels.get(REVISION_LABEL, ""))
+
+
+def clusters_to_retire(
+    clusters: Iterable[Mapping[str, Any]], router_pods: Iterable[Mapping[str, Any]], current: str
+) -> list[str]:
+    """Names of the service's RayClusters of older revisions that no router pod uses.
+
+    Args:
+        clusters: the service's RayClusters (any revision).
+        router_pods: the service's router pods, terminating ones included.
+        current: the serving revision; its cluster is never retired.
+    """
+    in_use = {revision_of(pod) for pod in router_pods}
+    out = []
+    for cluster in clusters:
+        rev = revision_of(cluster)
+        if rev != current and rev not in in_use:
+            out.append(str(cluster["metadata"]["name"]))
+    return sorted(out)
