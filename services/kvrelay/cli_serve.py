@@ -312,8 +312,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     async def main() -> None:
         registry = WorkerRegistry()
-        for handle in pools.workers:
-            await registry.add(handle)
+        for actor in pools.workers:
+            await registry.add(actor)
 
         def ready(server: Any, router: Any) -> None:
             print(ready_message(server, router, pools_text), flush=True)
@@ -366,7 +366,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     engine_args = _engine_args(ns)
     join_ray_cluster(ns.ray_address, NAMESPACE, ns.ray_join_timeout)
     name = worker_name(ns.role)
-    handle = spawn_worker(
+    actor = spawn_worker(
         dataclasses.asdict(engine_args),
         ns.role,
         ns.transfer_backend,
@@ -376,15 +376,15 @@ def cmd_worker(ns: argparse.Namespace) -> int:
         node_id=ray.get_runtime_context().get_node_id(),
         kv_secret=_kv_secret(ns),
     )
-    ray.get(handle.health.remote())
+    ray.get(actor.health.remote())
     print(f"kvrelay worker {name} ({ns.role}) is up; Ctrl-C stops it", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     try:
-        ray.get(handle.shutdown.remote(), timeout=30)
+        ray.get(actor.shutdown.remote(), timeout=30)
     finally:
-        ray.kill(handle)
+        ray.kill(actor)
     print(f"kvrelay worker {name}: stopped", file=sys.stderr)
     return 0

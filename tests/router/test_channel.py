@@ -33,7 +33,7 @@ def _fake(**faults: Any) -> Any:
 async def _start(channel: WorkerChannel, request_id: str, prompt: list[int], n: int) -> Inbox:
     tag, inbox = channel.open()
     params = SamplingParams(max_tokens=n)
-    await channel.handle.start.remote(channel.channel_id, tag, request_id, prompt, params)
+    await channel.actor.start.remote(channel.channel_id, tag, request_id, prompt, params)
     return inbox
 
 

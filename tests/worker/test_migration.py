@@ -61,7 +61,7 @@ async def stream_with_a_kill(router: Router, params: SamplingParams) -> tuple[li
             if not killed and len(tokens) >= 3:
                 victim = serving_decode_worker(router)
                 killed = victim.worker_id
-                ray.kill(victim.handle, no_restart=True)
+                ray.kill(victim.actor, no_restart=True)
     assert finish == "length"
     return tokens, killed
 
@@ -84,7 +84,7 @@ async def test_a_killed_decode_worker_hands_its_stream_on(
     assert tokens == undisturbed
     assert killed not in router.registry.workers
     assert router.metrics.migrations.labels("resumed")._value.get() == 1
-    survivors = [w.handle for w in router.registry.workers.values()]
+    survivors = [w.actor for w in router.registry.workers.values()]
     assert len(survivors) == 2
     for stats in ray.get([w.stats.remote() for w in survivors]):
         assert stats.num_free_blocks == stats.num_blocks
@@ -121,7 +121,7 @@ async def test_a_crashed_only_decode_worker_is_replaced_and_its_stream_resumes(
                     resumed_at = time.monotonic()
                 tokens.extend(t for c in chunk.choices for t in c.token_ids)
                 if len(tokens) >= 3 and not killed_at:
-                    ray.kill(old.handle, no_restart=False)  # a crash: Ray restarts it
+                    ray.kill(old.actor, no_restart=False)  # a crash: Ray restarts it
                     killed_at = time.monotonic()
         assert tokens == undisturbed
         assert resumed_at - killed_at < 30  # the bound for a replacement to serve

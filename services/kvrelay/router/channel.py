@@ -44,8 +44,8 @@ class ChannelClosedError(Exception):
 class WorkerChannel:
     """This router's channel to one worker; made by `Channels.of` on the router's loop."""
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor  # the worker's Ray actor
         self.channel_id = uuid.uuid4().hex
         self._tags = itertools.count()
         self._inboxes: dict[int, Inbox] = {}
@@ -81,7 +81,7 @@ class WorkerChannel:
         error: BaseException = ChannelClosedError("the worker closed its output channel")
         writer: asyncio.StreamWriter | None = None
         try:
-            address: ChannelAddress = await self.handle.open_channel.remote(self.channel_id)
+            address: ChannelAddress = await self.actor.open_channel.remote(self.channel_id)
             reader, writer = await connect(address)
             while (batch := await read_batch(reader)) is not None:
                 self._deliver(batch)
@@ -141,10 +141,10 @@ class Channels:
     def __init__(self) -> None:
         self._by_worker: dict[str, WorkerChannel] = {}
 
-    def of(self, worker_id: str, handle: Any) -> WorkerChannel:
+    def of(self, worker_id: str, actor: Any) -> WorkerChannel:
         channel = self._by_worker.get(worker_id)
         if channel is None or channel.broken is not None:
-            channel = self._by_worker[worker_id] = WorkerChannel(handle)
+            channel = self._by_worker[worker_id] = WorkerChannel(actor)
         return channel
 
     def close(self) -> None:

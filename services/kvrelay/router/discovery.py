@@ -87,23 +87,23 @@ def _named_workers() -> dict[str, list[str]]:
     return by_role
 
 
-def _worker_handles() -> list[Any]:
+def _worker_actors() -> list[Any]:
     import ray
 
-    handles = []
+    actors = []
     for role_names in _named_workers().values():
         for name in role_names:
             try:
-                handles.append(ray.get_actor(name, namespace=NAMESPACE))
+                actors.append(ray.get_actor(name, namespace=NAMESPACE))
             except ValueError:
                 continue  # it died between the listing and now
-    return handles
+    return actors
 
 
 async def discover_workers() -> Sequence[Any]:
     """Handles of every named worker actor on the cluster (Ray's calls to its control store
     block: they run on a thread, so a caller's timeout bounds them)."""
-    return await asyncio.to_thread(_worker_handles)
+    return await asyncio.to_thread(_worker_actors)
 
 
 class WorkerManager:

@@ -27,7 +27,7 @@ async def local_router(
     max_in_flight: int = 256,
     max_queued: int = 512,
 ) -> Router:
-    """A router over `workers` (EngineWorker actor handles): each joins a fresh registry, which
+    """A router over `workers` (EngineWorker actors): each joins a fresh registry, which
     introduces decode workers to prefill workers. `tokenizer` None serves token ids only."""
     registry = WorkerRegistry()
     for worker in workers:

@@ -184,10 +184,10 @@ class Relay:
         first = await self._prefill(run, prefill, decode.worker_id)
         run.times["prefill_done"] = time.monotonic()
         run.take(first)
-        handle = first.kv_handle
-        if handle is None or run.state.finished:
-            if handle is not None:  # a stop string matched the first token
-                _fire(prefill.handle.release_kv, run.request_id)
+        kv_handle = first.kv_handle
+        if kv_handle is None or run.state.finished:
+            if kv_handle is not None:  # a stop string matched the first token
+                _fire(prefill.actor.release_kv, run.request_id)
             return
         # The decode worker holds the prompt once it pulls it, not before: recorded at the
         # pick, a sample running alongside (n > 1) or a retry after the prefill worker died
@@ -201,12 +201,12 @@ class Relay:
             return lease_held is not False
 
         try:
-            completed = await self._stream(run, decode, handle, before_first=release)
+            completed = await self._stream(run, decode, kv_handle, before_first=release)
         finally:
             if lease_held is None:  # never reached the decode's first output
-                _fire(prefill.handle.release_kv, run.request_id)
+                _fire(prefill.actor.release_kv, run.request_id)
         if not completed:
-            await self._lease_lost(run, decode, handle)
+            await self._lease_lost(run, decode, kv_handle)
 
     async def _prefill(self, run: SampleRun, worker: WorkerState, decode_id: str) -> OutputDelta:
         """The prompt prefilled at `worker`; its KV handle is bound to the decode engine
@@ -214,7 +214,7 @@ class Relay:
         worker.in_flight += 1
         done = False
         try:
-            first: OutputDelta = await worker.handle.prefill.remote(
+            first: OutputDelta = await worker.actor.prefill.remote(
                 run.request_id, run.prompt, run.params, decode_id
             )
             done = True
@@ -226,14 +226,14 @@ class Relay:
         finally:
             worker.in_flight -= 1
             if not done:
-                _fire(worker.handle.abort, run.request_id)  # cancelled: frees a lease too
+                _fire(worker.actor.abort, run.request_id)  # cancelled: frees a lease too
 
-    async def _lease_lost(self, run: SampleRun, decode: WorkerState, handle: KVHandle) -> None:
+    async def _lease_lost(self, run: SampleRun, decode: WorkerState, kv_handle: KVHandle) -> None:
         """The prefill lease ended before the pull did: the pulled blocks may hold another
         request's KV. Drop them from the decode worker's cache, then recompute or fail."""
         self.metrics.leases_lost.inc()
         try:
-            await decode.handle.forget_kv.remote(handle)
+            await decode.actor.forget_kv.remote(kv_handle)
         except (RayActorError, ActorUnavailableError) as exc:
             raise WorkerLostError(decode, exc) from exc
         reason = f"request {run.request_id}: the prefill KV lease expired before the pull ended"
@@ -247,7 +247,7 @@ class Relay:
         self,
         run: SampleRun,
         worker: WorkerState,
-        handle: KVHandle | None,
+        kv_handle: KVHandle | None,
         before_first: Callable[[], Any] | None = None,
         resume: Sequence[int] = (),
     ) -> bool:
@@ -256,10 +256,10 @@ class Relay:
         it is used) says to stop."""
         worker.in_flight += 1
         worker_done = False
-        channel = self.channels.of(worker.worker_id, worker.handle)
+        channel = self.channels.of(worker.worker_id, worker.actor)
         tag, inbox = channel.open()
-        start = worker.handle.start.remote(
-            channel.channel_id, tag, run.request_id, run.prompt, run.params, handle, list(resume)
+        start = worker.actor.start.remote(
+            channel.channel_id, tag, run.request_id, run.prompt, run.params, kv_handle, list(resume)
         )
         started = False
         try:
@@ -276,7 +276,7 @@ class Relay:
                         # Awaited, not fired: Ray does not order an async actor's calls, and
                         # a late abort would kill the recompute that follows on this worker.
                         worker_done = True
-                        await worker.handle.abort.remote(run.request_id)
+                        await worker.actor.abort.remote(run.request_id)
                         return False
                 run.take(delta)
                 if worker_done or run.state.finished:
@@ -299,7 +299,7 @@ class Relay:
             channel.close(tag)
             worker.in_flight -= 1
             if not worker_done and started:  # a stop string, a cancelled client
-                _fire(worker.handle.abort, run.request_id)
+                _fire(worker.actor.abort, run.request_id)
             elif not worker_done:
                 self._abort_once_started(worker, run.request_id, start)
 
@@ -311,7 +311,7 @@ class Relay:
         async def abort_after_start() -> None:
             with contextlib.suppress(Exception):
                 await start
-            _fire(worker.handle.abort, request_id)
+            _fire(worker.actor.abort, request_id)
 
         task = asyncio.get_running_loop().create_task(abort_after_start())
         self._late_aborts.add(task)
@@ -336,7 +336,7 @@ async def _release(prefill: WorkerState, request_id: str) -> bool | None:
     """Release the prefill lease: whether it was still held; None if P is unreachable (a dead
     worker cannot reuse the blocks either)."""
     try:
-        held: bool = await prefill.handle.release_kv.remote(request_id)
+        held: bool = await prefill.actor.release_kv.remote(request_id)
         return held
     except Exception:
         logger.warning(

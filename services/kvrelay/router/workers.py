@@ -23,12 +23,12 @@ from kvrelay.router.revisions import own_revision, pick_revision
 
 logger = logging.getLogger(__name__)
 
-Discover = Callable[[], Awaitable[Sequence[Any]]]  # -> the actor handles that exist now
+Discover = Callable[[], Awaitable[Sequence[Any]]]  # -> the worker actors that exist now
 
 
 @dataclass
 class WorkerState:
-    handle: Any  # a Ray actor handle of an EngineWorker
+    actor: Any  # the EngineWorker's Ray actor
     info: WorkerInfo
     stats: EngineStats | None = None
     in_flight: int = 0  # requests the router has at this worker now (fresher than stats)
@@ -80,9 +80,9 @@ class WorkerState:
         return max(self.in_flight, waiting)
 
 
-def actor_key(handle: Any) -> str:
-    """A stable key of an actor handle (its Ray actor id)."""
-    return str(handle._actor_id.hex())
+def actor_key(actor: Any) -> str:
+    """A stable key of a Ray actor (its actor id)."""
+    return str(actor._actor_id.hex())
 
 
 class WorkerRegistry:
@@ -161,7 +161,7 @@ class WorkerRegistry:
                 pools.setdefault(worker.role.pool, []).append(worker.stats)
         return pools
 
-    async def add(self, handle: Any) -> WorkerState:
+    async def add(self, actor: Any) -> WorkerState:
         """Register a worker: learn what it is and introduce it to its peers.
 
         Waits up to `join_timeout_s` for the worker to be up (a new one loads its model
@@ -172,30 +172,30 @@ class WorkerRegistry:
             TimeoutError: the worker did not come up, or did not answer, in time.
             Exception: the worker's own error (RayActorError: it died).
         """
-        key = actor_key(handle)
+        key = actor_key(actor)
         self._known_actors.add(key)
         try:
             async with asyncio.timeout(self._join_timeout_s):
-                await handle.health.remote()  # answers once its constructor has run
+                await actor.health.remote()  # answers once its constructor has run
             async with self._lock:
-                return await self._join(handle)
+                return await self._join(actor)
         except BaseException:
             self._known_actors.discard(key)  # found again (and retried) by discovery
             raise
 
-    async def _join(self, handle: Any) -> WorkerState:
-        info: WorkerInfo = await self._ask(handle.describe.remote())
-        state = WorkerState(handle, info, last_seen=time.monotonic())
-        status: WorkerStatus = await self._ask(handle.status.remote())
+    async def _join(self, actor: Any) -> WorkerState:
+        info: WorkerInfo = await self._ask(actor.describe.remote())
+        state = WorkerState(actor, info, last_seen=time.monotonic())
+        status: WorkerStatus = await self._ask(actor.status.remote())
         state.healthy, state.draining = status.alive, status.state is DrainState.DRAINING
         if state.draining:
             self.draining_pods.add(info.pod)
         elif info.pod in self.draining_pods:
-            await self._ask(handle.drain.remote())
+            await self._ask(actor.drain.remote())
             state.draining = True
             logger.warning("worker %s joined on draining pod %s: drained", info.engine_id, info.pod)
         if info.role is Role.PREFILL:
-            meta: PeerMetadata = await self._ask(handle.kv_metadata.remote())
+            meta: PeerMetadata = await self._ask(actor.kv_metadata.remote())
             await self._introduce(meta, info, self._decoders())
             self._peer_metas[info.engine_id] = meta
         elif info.role is Role.DECODE:
@@ -204,9 +204,9 @@ class WorkerRegistry:
                 if prefill is not None:
                     warn_if_unreachable(meta, prefill.info, info)
             await self._ask(
-                asyncio.gather(*(handle.add_peer.remote(m) for m in self._peer_metas.values()))
+                asyncio.gather(*(actor.add_peer.remote(m) for m in self._peer_metas.values()))
             )
-        state.stats = await self._ask(handle.stats.remote())
+        state.stats = await self._ask(actor.stats.remote())
         self.workers[info.engine_id] = state
         logger.warning(
             "worker %s (%s, pid %d, pod %s, revision %s) joined",
@@ -233,7 +233,7 @@ class WorkerRegistry:
         async def tell(decoder: WorkerState) -> None:
             warn_if_unreachable(meta, prefill, decoder.info)
             try:
-                await self._ask(decoder.handle.add_peer.remote(meta))
+                await self._ask(decoder.actor.add_peer.remote(meta))
             except Exception:
                 logger.warning(
                     "decode worker %s did not take prefill worker %s's metadata",
@@ -255,32 +255,32 @@ class WorkerRegistry:
         self.index.remove(worker_id)
         self._peer_metas.pop(worker_id, None)
         logger.warning("worker %s (%s) removed from routing: %s", worker_id, state.role, reason)
-        if state.handle is not None:
-            self._watch_for_restart(state.handle)
+        if state.actor is not None:
+            self._watch_for_restart(state.actor)
 
-    def _watch_for_restart(self, handle: Any) -> None:
+    def _watch_for_restart(self, actor: Any) -> None:
         """Re-adopt the actor once Ray has restarted it (workers are started with
         max_restarts): it joins as a new engine, introduced to its peers like any other."""
-        key = actor_key(handle)
+        key = actor_key(actor)
         if key in self._readoptions:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop (a synchronous caller): discovery finds it again, if any
-        task = loop.create_task(self._readopt(handle))
+        task = loop.create_task(self._readopt(actor))
         self._readoptions[key] = task
         task.add_done_callback(lambda _: self._readoptions.pop(key, None))
 
-    async def _readopt(self, handle: Any) -> None:
+    async def _readopt(self, actor: Any) -> None:
         from ray.exceptions import ActorDiedError
 
         while True:
             try:
                 async with asyncio.timeout(self._stats_timeout_s):
-                    alive = await handle.health.remote()
+                    alive = await actor.health.remote()
                 if alive:
-                    await self.add(handle)
+                    await self.add(actor)
                     return
             except ActorDiedError:
                 logger.info("a removed worker is gone for good (no restart)")
@@ -297,7 +297,7 @@ class WorkerRegistry:
 
         async def drain_one(worker: WorkerState) -> WorkerState | None:
             try:
-                await self._ask(worker.handle.drain.remote())
+                await self._ask(worker.actor.drain.remote())
             except Exception:
                 logger.warning("worker %s did not take the drain", worker.worker_id, exc_info=True)
                 return None
@@ -328,16 +328,16 @@ class WorkerRegistry:
         try:
             async with asyncio.timeout(self._stats_timeout_s):
                 # status() answers at once (it does not wait for the engine's step).
-                status: WorkerStatus = await worker.handle.status.remote()
+                status: WorkerStatus = await worker.actor.status.remote()
                 worker.healthy = status.alive
                 worker.draining = status.state is DrainState.DRAINING
                 if worker.draining:
                     self.draining_pods.add(worker.info.pod)
-                stats: EngineStats = await worker.handle.stats.remote()
+                stats: EngineStats = await worker.actor.stats.remote()
                 warn_of_fallbacks(worker.info, worker.stats, stats)
                 worker.stats = stats
                 if with_hashes:
-                    hashes = await worker.handle.cached_block_hashes.remote()
+                    hashes = await worker.actor.cached_block_hashes.remote()
                     self.index.replace(worker.worker_id, hashes)
             worker.last_seen = time.monotonic()
         except TimeoutError:
@@ -354,15 +354,15 @@ class WorkerRegistry:
         assert self._discover is not None
         try:
             async with asyncio.timeout(self._stats_timeout_s):
-                handles = await self._discover()
+                actors = await self._discover()
         except Exception:
             logger.exception("worker discovery failed")
             return
-        for handle in handles:
-            key = actor_key(handle)
+        for actor in actors:
+            key = actor_key(actor)
             if key in self._known_actors or key in self._joins or key in self._readoptions:
                 continue
-            task = asyncio.get_running_loop().create_task(self._join_found(handle))
+            task = asyncio.get_running_loop().create_task(self._join_found(actor))
             self._joins[key] = task
             task.add_done_callback(self._forget_join(key))
 
@@ -372,9 +372,9 @@ class WorkerRegistry:
 
         return forget
 
-    async def _join_found(self, handle: Any) -> None:
+    async def _join_found(self, actor: Any) -> None:
         try:
-            await self.add(handle)
+            await self.add(actor)
         except Exception:
             logger.warning("a discovered worker could not join; retrying", exc_info=True)
 
