@@ -67,6 +67,8 @@ class Engine:
         if config.device.startswith("cuda"):
             self._warm_up(kv_tensor)
         self.role = Role(config.role)
+        # Only a prefill engine hands requests off: the others skip the lease check per token.
+        self._hands_off = self.role is Role.PREFILL
         self.handoff = KVHandoff(
             self.kv_cache,
             self.scheduler,
@@ -311,7 +313,7 @@ class Engine:
             status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(request, status)
-        elif (handle := self.handoff.lease_prompt_kv(request)) is not None:
+        elif self._hands_off and (handle := self.handoff.lease_prompt_kv(request)) is not None:
             parent.kv_handle = handle  # prefill role: a decode engine goes on from here
         return parent
 

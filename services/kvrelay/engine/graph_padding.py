@@ -103,11 +103,11 @@ class StaticDecodeInputs:
         """The plan a graph of `size` decodes is captured with, for the CUDA decode kernel:
         every row a decode, contexts up to `max_model_len` (so split-K is sized for the worst
         case) with a fixed partition count and scratch. Not a plan for the torch reference
-        (it has no per-row mask): graphs run only where the CUDA kernel does."""
+        (its decode mask would be built at capture from the padded lengths): graphs run only
+        where the CUDA kernel does."""
         return AttentionPlan(
             decode_token_idx=None,
             decode_block_tables=self.block_tables[:size],
-            decode_mask=None,
             decode_context=max_model_len,
             prefills=(),
             decode_lens=self.seq_lens[:size],

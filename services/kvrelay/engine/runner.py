@@ -98,13 +98,11 @@ def build_batch_inputs(
     Vectorized over the batch (numpy): at 256 running requests a per-token Python loop cost
     ~4 ms a step, more than an H200 takes to run the step (benchmarks/host_overhead.py)."""
     n = len(chunks)
-    q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
-    starts = np.fromiter((c.start for c in chunks), np.int64, n)
+    token_ids, q_list, start_list = _chunk_columns(chunks)
+    q_lens = np.array(q_list, np.int64)
+    starts = np.array(start_list, np.int64)
     query_start_loc = np.zeros(n + 1, np.int64)
     np.cumsum(q_lens, out=query_start_loc[1:])
-    token_ids: list[int] = []
-    for chunk in chunks:
-        token_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
     seq_of_token = np.repeat(np.arange(n), q_lens)  # [T] the chunk each token belongs to
     positions = np.arange(len(token_ids)) - query_start_loc[seq_of_token] + starts[seq_of_token]
     table = padded_block_table(block_tables)
@@ -125,6 +123,25 @@ def build_batch_inputs(
         attn=attn,
         logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1),
     )
+
+
+def _chunk_columns(chunks: Sequence[ScheduledChunk]) -> tuple[list[int], list[int], list[int]]:
+    """The chunks' token ids (flattened), lengths and starts, in one pass over the batch. A
+    decode's one token is its last output token, read directly (every running request, every
+    step)."""
+    token_ids: list[int] = []
+    q_lens: list[int] = []
+    starts: list[int] = []
+    for chunk in chunks:
+        request, start, size = chunk.request, chunk.start, chunk.num_tokens
+        q_lens.append(size)
+        starts.append(start)
+        outputs = request.output_token_ids
+        if size == 1 and start == len(request.prompt_token_ids) + len(outputs) - 1 and outputs:
+            token_ids.append(outputs[-1])
+        else:
+            token_ids.extend(request.token_ids(start, start + size))
+    return token_ids, q_lens, starts
 
 
 def padded_block_table(block_tables: Sequence[list[int]]) -> npt.NDArray[np.int32]:

@@ -246,10 +246,15 @@ class Scheduler:
     def update_after_step(self, chunks: Iterable[ScheduledChunk]) -> None:
         """Record that the chunks' tokens are now in the KV cache, cache the blocks they
         filled, and let the forks of a leader that just sampled join `running`."""
+        block_size = self.kv_cache.block_size
         for chunk in chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv_cache.cache_full_blocks(request)
+            before = request.num_computed_tokens
+            request.num_computed_tokens = after = before + chunk.num_tokens
+            # Blocks fill only where a chunk crosses a block boundary (after each step the
+            # cache holds every full block: nothing to catch up on in between).
+            if after // block_size != before // block_size:
+                self.kv_cache.cache_full_blocks(request)
             if chunk.forks:
                 del self._forks[request.request_id]
                 for fork in chunk.forks:
