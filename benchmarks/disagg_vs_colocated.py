@@ -91,15 +91,12 @@ async def measure(
 ) -> tuple[list[Trace], list[Trace]]:
     """A router over the pools (every prompt prefilled by the prefill pool when disaggregated;
     round-robin over the colocated workers), warmed up, then the offered load."""
+    from kvrelay.config import RouterConfig
     from kvrelay.router.local import local_router
-    from kvrelay.router.policy import RoutingPolicy
-    from kvrelay.router.relay import RelayConfig
 
-    router = await local_router(
-        pools.workers,
-        relay=RelayConfig(max_local_prefill_tokens=0),
-        policy=RoutingPolicy("round_robin" if mode == "colocated" else "score"),
-    )
+    policy = "round_robin" if mode == "colocated" else "score"
+    config = RouterConfig(max_local_prefill_tokens=0, routing_policy=policy)
+    router = await local_router(pools.workers, config=config)
     # Warm every worker (kernels, first transfer) outside the measurement.
     for warm in range(2):
         await run_request(router, 999_990 + warm, [5] * 64, SamplingParams(max_tokens=4))

@@ -81,3 +81,31 @@ def test_serve_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch)
     flagged = parser.parse_args(["serve", "--api-key", "from-flag", "--http-port", "9000"])
     config = _server_config(flagged)
     assert (config.api_key, config.http_port, config.http_host) == ("from-flag", 9000, "127.0.0.1")
+
+
+def test_router_flags_become_one_router_config() -> None:
+    """The router's flags map once, at parse time, to RouterConfig's names (the object the
+    relay gets): no flag means RouterConfig's own defaults; --migration-timeout keeps its
+    spelling and sets migration_wait_s."""
+    from kvrelay.cli import build_parser
+    from kvrelay.cli_serve import _router_config
+    from kvrelay.config import RouterConfig
+
+    parser = build_parser()
+    for command in (["serve"], ["router", "--ray-address", "auto"]):
+        assert _router_config(parser.parse_args(command)) == RouterConfig()
+    flags = ["--migration-timeout", "5", "--max-local-prefill-tokens", "0", "--max-n", "4"]
+    flags += ["--max-in-flight", "8", "--max-queued", "2", "--routing-policy", "round_robin"]
+    flags += ["--kv-transfer-failure", "fail", "--served-model-name", "m"]
+    assert _router_config(parser.parse_args(["router", "--ray-address", "auto", *flags])) == (
+        RouterConfig(
+            max_local_prefill_tokens=0,
+            kv_transfer_failure="fail",
+            migration_wait_s=5.0,
+            max_in_flight=8,
+            max_queued=2,
+            max_n=4,
+            routing_policy="round_robin",
+            served_model_name="m",
+        )
+    )

@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Any
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.args import EngineArgs
 from kvrelay.worker.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_ray_cluster
 
@@ -62,9 +63,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add = group.add_argument
     add("--served-model-name", default=None, help="model id clients use (default: folder name)")
     add("--max-in-flight", type=int, default=256, help="requests running at once (default 256)")
-    add("--migration-timeout", type=float, default=60.0, help="seconds a stream whose worker "
-        "died waits for another to resume it at (a replacement starting), then fails with 503 "
-        "(default 60)")  # fmt: skip
+    # Its dest is RouterConfig's name for it: the one place the flag's spelling is mapped.
+    add("--migration-timeout", dest="migration_wait_s", type=float, default=60.0, help="seconds "
+        "a stream whose worker died waits for another to resume it at (a replacement starting), "
+        "then fails with 503 (default 60)")  # fmt: skip
     add("--max-n", type=int, default=128, help="most samples (n) one request may ask for "
         "(default 128)")  # fmt: skip
     add(
@@ -255,17 +257,18 @@ def _server_config(ns: argparse.Namespace) -> Any:
     )
 
 
-def _router_options(ns: argparse.Namespace) -> Any:
-    from kvrelay.api.platform import RouterOptions
-
-    return RouterOptions(
-        ns.served_model_name,
-        ns.max_in_flight,
-        ns.max_queued,
-        ns.routing_policy,
-        ns.max_local_prefill_tokens,
-        ns.max_n,
-        ns.migration_timeout,
+def _router_config(ns: argparse.Namespace) -> RouterConfig:
+    """The router's options from the flags (each flag's dest is the option's name); the
+    same object goes on to the relay."""
+    return RouterConfig(
+        max_local_prefill_tokens=ns.max_local_prefill_tokens,
+        kv_transfer_failure=ns.kv_transfer_failure,
+        migration_wait_s=ns.migration_wait_s,
+        max_in_flight=ns.max_in_flight,
+        max_queued=ns.max_queued,
+        max_n=ns.max_n,
+        routing_policy=ns.routing_policy,
+        served_model_name=ns.served_model_name,
     )
 
 
@@ -318,7 +321,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         def ready(server: Any, router: Any) -> None:
             print(ready_message(server, router, pools_text), flush=True)
 
-        await run_router(registry, engine_args, _router_options(ns), server_config, ready)
+        await run_router(registry, engine_args, _router_config(ns), server_config, ready)
 
     try:
         run_event_loop(main())
@@ -350,7 +353,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
             print(ready_message(server, router, f"workers on Ray at {ns.ray_address}"), flush=True)
 
         await run_router(
-            registry, engine_args, _router_options(ns), server_config, ready, background
+            registry, engine_args, _router_config(ns), server_config, ready, background
         )
 
     run_event_loop(main())

@@ -221,3 +221,32 @@ class EngineConfig:
             self.dtype in ("float32", "bfloat16", "float16"),
             f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}",
         )
+
+
+# OpenAI's own bound on n; each sample is a request of its own at the workers.
+DEFAULT_MAX_N = 128
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's options: one object from the command line (`kvrelay serve` / `router`,
+    cli_serve.py) through the platform (api/platform.py) and the router (router/router.py)
+    to the relay (router/relay.py), each option under the same name at every hop.
+
+    The relay's options come first, in the order of the `RelayConfig` this replaces, so that
+    `RelayConfig(0)` (no local prefill) still means what it did.
+    """
+
+    # Prompts with at most this many tokens not cached at the decode worker run whole there,
+    # without a prefill worker (router/decision.py).
+    max_local_prefill_tokens: int = 64
+    kv_transfer_failure: str = "recompute"  # or "fail", as the workers' engines
+    max_attempts: int = 3  # runs of one sample on workers that die, before it fails
+    # How long a sample whose worker died waits for a decode-capable worker to resume at
+    # (a pool of one: until its replacement is up). The flag is --migration-timeout.
+    migration_wait_s: float = 60.0
+    max_in_flight: int = 256  # requests running at once
+    max_queued: int = 512  # requests waiting beyond max_in_flight; more are refused
+    max_n: int = DEFAULT_MAX_N  # most samples one request may ask for
+    routing_policy: str = "score"  # or "round_robin" (router/policy.py)
+    served_model_name: str | None = None  # the model id clients use (default: folder name)

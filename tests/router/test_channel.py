@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import ChannelItem
 from kvrelay.router.channel import ChannelClosedError, Channels, Inbox, WorkerChannel
 from kvrelay.router.local import local_router
-from kvrelay.router.relay import RelayConfig
 from kvrelay.router.types import GenerateRequest
 from tests.router.fake_worker import FakeState, FakeWorker, model_tokens
 from tests.worker.conftest import worker_ray
@@ -156,7 +156,7 @@ async def test_a_batch_of_several_steps_still_streams_one_chunk_per_step() -> No
     still gets one chunk per token (the router's merge coalesces only what a slow client
     leaves waiting), as a stream per request gave."""
     actor = _fake(step_s=0.0)
-    router = await local_router([actor], relay=RelayConfig(max_local_prefill_tokens=0))
+    router = await local_router([actor], config=RouterConfig(max_local_prefill_tokens=0))
     prompt = [4, 8, 15, 16]
     request = GenerateRequest("burst", prompt, SamplingParams(max_tokens=24))
     chunks = [chunk async for chunk in router.generate(request)]

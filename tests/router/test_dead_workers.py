@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.tokenizer import load_tokenizer
 from kvrelay.router.errors import UnavailableError
-from kvrelay.router.relay import RelayConfig
 from kvrelay.router.router import ModelCard, Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest
 from kvrelay.router.workers import WorkerRegistry
@@ -43,8 +43,10 @@ async def test_dead_workers_leave_routing(default_model_dir: Path) -> None:
             await registry.add(worker)
         card = ModelCard("m", 1024, int(time.time()))
         # Every prompt goes to prefill first; a lost sample waits 1 s for a worker to take over.
-        relay = RelayConfig(max_local_prefill_tokens=0, migration_wait_s=1.0)
-        router = Router.create(registry, tokenizer, card, relay, max_in_flight=4, max_queued=4)
+        config = RouterConfig(
+            max_local_prefill_tokens=0, migration_wait_s=1.0, max_in_flight=4, max_queued=4
+        )
+        router = Router.create(registry, tokenizer, card, config)
 
         def request(prompt: str, tokens: int) -> GenerateRequest:
             ids = list(tokenizer(prompt)["input_ids"])

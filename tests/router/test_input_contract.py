@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import Role, WorkerInfo
 from kvrelay.metrics import RouterMetrics
@@ -217,7 +218,7 @@ def router_over(num_blocks: int, max_model_len: int = 2048, max_n: int = 8) -> R
     info = WorkerInfo(Role.DECODE, "d0", 1, 16, ("m",), num_blocks, max_model_len)
     registry.workers["d0"] = WorkerState(None, info)
     card = ModelCard("m", max_model_len, 0)
-    return Router.create(registry, None, card, metrics=RouterMetrics(), max_n=max_n)
+    return Router.create(registry, None, card, RouterConfig(max_n=max_n), RouterMetrics())
 
 
 def request(

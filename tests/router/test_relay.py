@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import sample_request_id
 from kvrelay.router.errors import UnavailableError
 from kvrelay.router.local import complete, local_router
-from kvrelay.router.relay import RelayConfig
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest
 from tests.router.fake_worker import KV_TRANSFER_FAILED, FakeState, FakeWorker, model_tokens
@@ -74,10 +74,10 @@ class Cluster:
     def kill(self, actor: Any) -> None:
         self.pool.kill(actor)
 
-    async def make_router(self, *workers: Any, **relay: Any) -> Router:
+    async def make_router(self, *workers: Any, **options: Any) -> Router:
         """A router over `workers` that sends every prompt through a prefill worker."""
-        config = RelayConfig(**{"max_local_prefill_tokens": 0, **relay})
-        self.router = await local_router(workers, relay=config)
+        config = RouterConfig(**{"max_local_prefill_tokens": 0, **options})
+        self.router = await local_router(workers, config=config)
         return self.router
 
     async def assert_whole(self, *survivors: Any) -> list[FakeState]:

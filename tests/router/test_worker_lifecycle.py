@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import DrainState
 from kvrelay.router.local import complete, local_router
-from kvrelay.router.relay import RelayConfig
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest
 from kvrelay.router.workers import WorkerRegistry
@@ -168,7 +168,7 @@ async def collect_stream(chunks: AsyncIterator[GenerateChunk]) -> list[int]:
 
 async def router_over(*workers: Any) -> Router:
     """Every prompt goes through a prefill worker (no local prefill)."""
-    return await local_router(workers, relay=RelayConfig(max_local_prefill_tokens=0))
+    return await local_router(workers, config=RouterConfig(max_local_prefill_tokens=0))
 
 
 async def test_a_draining_worker_gets_no_new_requests_and_finishes_its_own(

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router.local import complete, local_router
-from kvrelay.router.relay import RelayConfig
 from kvrelay.router.types import GenerateChunk
 from kvrelay.worker.pools import Pools
 from tests.worker.test_faults import assert_whole
@@ -46,8 +46,8 @@ def test_default_model_disaggregated_equals_transformers(
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
         async def main() -> tuple[list[GenerateChunk], float]:
-            relay = RelayConfig(max_local_prefill_tokens=0)
-            router = await local_router(pools.workers, tokenizer, relay=relay)
+            config = RouterConfig(max_local_prefill_tokens=0)
+            router = await local_router(pools.workers, tokenizer, config=config)
             outs = await asyncio.gather(*(complete(router, p, params) for p in prompts))
             return outs, router.metrics.leases_lost._value.get()
 

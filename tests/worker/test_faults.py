@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.config import RouterConfig
 from kvrelay.messages import EngineStats
 from kvrelay.router.local import complete, local_router
-from kvrelay.router.relay import RelayConfig
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory
 from tests.worker.conftest import TINY_ENGINE_KWARGS
@@ -85,7 +85,7 @@ def test_lease_expired_and_blocks_reused_before_the_pull(
 
     # Through the router's relay the lost lease is noticed and the prompt recomputed.
     async def expiring() -> tuple[list[int], float]:
-        router = await local_router(pools.workers, relay=RelayConfig(max_local_prefill_tokens=0))
+        router = await local_router(pools.workers, config=RouterConfig(max_local_prefill_tokens=0))
         orig = prefill.release_kv
 
         class Late:  # the lease expires (and its blocks are reused) before the pull ends

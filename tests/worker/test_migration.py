@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import Role
 from kvrelay.router.local import complete, local_router
-from kvrelay.router.relay import RelayConfig
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateRequest, new_request_id
 from kvrelay.worker.pools import Pools
@@ -77,7 +77,7 @@ async def stream_with_a_kill(router: Router, params: SamplingParams) -> tuple[li
 async def test_a_killed_decode_worker_hands_its_stream_on(
     pools: Pools, params: SamplingParams
 ) -> None:
-    router = await local_router(pools.workers, relay=RelayConfig(max_local_prefill_tokens=0))
+    router = await local_router(pools.workers, config=RouterConfig(max_local_prefill_tokens=0))
     undisturbed = (await complete(router, PROMPT, params)).choices[0].token_ids
     assert len(undisturbed) == TOKENS
     tokens, killed = await stream_with_a_kill(router, params)
@@ -106,7 +106,7 @@ async def test_a_crashed_only_decode_worker_is_replaced_and_its_stream_resumes(
     """One decode worker, crashed mid-stream (Ray restarts it, as after kill -9): the router
     re-adopts the new engine, the stream waits for it and resumes with the undisturbed tokens,
     within 30 s."""
-    router = await local_router(pair.workers, relay=RelayConfig(max_local_prefill_tokens=0))
+    router = await local_router(pair.workers, config=RouterConfig(max_local_prefill_tokens=0))
     refresh = asyncio.create_task(router.registry.run(interval_s=0.2))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=TOKENS)

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import OutputDelta
 from kvrelay.router.local import complete, local_router
-from kvrelay.router.relay import RelayConfig
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory, run_to_completion
 from tests.worker.conftest import TINY_ENGINE_KWARGS
@@ -49,7 +49,7 @@ async def relay_tokens(
 ) -> list[list[int]]:
     """Greedy tokens of each prompt, sent through a router's relay over `workers`; every prompt
     is prefilled by a prefill worker and pulled by a decode worker (no local prefill)."""
-    router = await local_router(workers, relay=RelayConfig(max_local_prefill_tokens=0))
+    router = await local_router(workers, config=RouterConfig(max_local_prefill_tokens=0))
     outs = await asyncio.gather(*(complete(router, prompt, params) for prompt in prompts))
     return [out.choices[0].token_ids for out in outs]
 

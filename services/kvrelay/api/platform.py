@@ -8,28 +8,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.api.server import ApiServer, ServerConfig
+from kvrelay.config import RouterConfig
 from kvrelay.engine.args import EngineArgs
-from kvrelay.router.policy import RoutingPolicy
-from kvrelay.router.relay import RelayConfig
-from kvrelay.router.router import DEFAULT_MAX_N, ModelCard, Router
+from kvrelay.router.router import ModelCard, Router
 from kvrelay.router.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RouterOptions:
-    served_model_name: str | None = None
-    max_in_flight: int = 256
-    max_queued: int = 512
-    routing_policy: str = "score"
-    max_local_prefill_tokens: int = 64
-    max_n: int = DEFAULT_MAX_N
-    migration_timeout_s: float = 60.0
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -51,14 +38,14 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
 
 def model_card(engine_args: EngineArgs, served_name: str | None) -> ModelCard:
     path = engine_args.resolve_model_path()
-    config = engine_args.create_engine_config(path)
-    return ModelCard(served_name or path.name, config.max_model_len, int(time.time()))
+    engine_config = engine_args.create_engine_config(path)
+    return ModelCard(served_name or path.name, engine_config.max_model_len, int(time.time()))
 
 
 async def run_router(
     registry: WorkerRegistry,
     engine_args: EngineArgs,
-    options: RouterOptions,
+    config: RouterConfig,
     server_config: ServerConfig,
     on_ready: Callable[[ApiServer, Router], None],
     background: list[Coroutine[Any, Any, None]] | None = None,
@@ -67,21 +54,8 @@ async def run_router(
     from kvrelay.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(engine_args.resolve_model_path())
-    relay = RelayConfig(
-        max_local_prefill_tokens=options.max_local_prefill_tokens,
-        migration_wait_s=options.migration_timeout_s,
-        kv_transfer_failure=engine_args.kv_transfer_failure,
-    )
-    router = Router.create(
-        registry,
-        tokenizer,
-        model_card(engine_args, options.served_model_name),
-        relay,
-        options.max_in_flight,
-        options.max_queued,
-        policy=RoutingPolicy(options.routing_policy),
-        max_n=options.max_n,
-    )
+    card = model_card(engine_args, config.served_model_name)
+    router = Router.create(registry, tokenizer, card, config)
     tasks = [asyncio.create_task(registry.run())]
     tasks += [asyncio.create_task(job) for job in background or []]
     server = ApiServer(router, server_config)

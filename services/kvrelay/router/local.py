@@ -9,9 +9,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router.policy import RoutingPolicy
-from kvrelay.router.relay import RelayConfig
 from kvrelay.router.router import ModelCard, Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest, collect_chunks
 from kvrelay.router.workers import WorkerRegistry
@@ -21,20 +21,20 @@ async def local_router(
     workers: Sequence[Any],
     tokenizer: Any = None,
     *,
-    relay: RelayConfig | None = None,
+    config: RouterConfig | None = None,
     policy: RoutingPolicy | None = None,
     model_id: str = "local",
-    max_in_flight: int = 256,
-    max_queued: int = 512,
+    relay: RouterConfig | None = None,
 ) -> Router:
     """A router over `workers` (EngineWorker actors): each joins a fresh registry, which
-    introduces decode workers to prefill workers. `tokenizer` None serves token ids only."""
+    introduces decode workers to prefill workers. `tokenizer` None serves token ids only.
+    `relay` is `config`'s older name (docs/architecture.md's example still uses it)."""
     registry = WorkerRegistry()
     for worker in workers:
         await registry.add(worker)
     max_model_len = min(state.info.max_model_len for state in registry.workers.values())
     card = ModelCard(model_id, max_model_len, int(time.time()))
-    return Router.create(registry, tokenizer, card, relay, max_in_flight, max_queued, policy=policy)
+    return Router.create(registry, tokenizer, card, config or relay, policy=policy)
 
 
 async def complete(

@@ -18,6 +18,7 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from kvrelay.config import RouterConfig
 from kvrelay.engine.sampling import SamplingParams
 from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, Role
 from kvrelay.metrics import RouterMetrics
@@ -61,14 +62,10 @@ class SampleRun:
                 self.emit(news)
 
 
-@dataclass
-class RelayConfig:
-    max_local_prefill_tokens: int = 64
-    kv_transfer_failure: str = "recompute"  # or "fail", as the workers' engines
-    max_attempts: int = 3
-    # How long a sample whose worker died waits for a decode-capable worker to resume at
-    # (a pool of one: until its replacement is up).
-    migration_wait_s: float = 60.0
+# The relay's options are the router's (kvrelay.config.RouterConfig); this older name is kept
+# for the example in docs/architecture.md (`RelayConfig(0)`: no local prefill) and code
+# written against it. New code says RouterConfig.
+RelayConfig = RouterConfig
 
 
 class Relay:
@@ -76,7 +73,7 @@ class Relay:
         self,
         registry: WorkerRegistry,
         policy: RoutingPolicy,
-        config: RelayConfig,
+        config: RouterConfig,
         metrics: RouterMetrics,
     ) -> None:
         self.registry = registry

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.config import DEFAULT_MAX_N, RouterConfig
 from kvrelay.engine.kv_cache.block_hash import hash_token_blocks
 from kvrelay.messages import Role, sample_request_id
 from kvrelay.metrics import RouterMetrics
@@ -29,7 +30,7 @@ from kvrelay.router.errors import (
     UnavailableError,
 )
 from kvrelay.router.prompt_encoder import PromptEncoder
-from kvrelay.router.relay import Relay, RelayConfig, SampleRun
+from kvrelay.router.relay import Relay, SampleRun
 from kvrelay.router.sample_state import SampleState
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage
 from kvrelay.router.workers import WorkerRegistry
@@ -37,8 +38,6 @@ from kvrelay.router.workers import WorkerRegistry
 logger = logging.getLogger(__name__)
 
 _DONE = object()  # a sample task's end marker in the merge queue
-# OpenAI's own bound on n; each sample is a request of its own at the workers.
-DEFAULT_MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -79,20 +78,21 @@ class Router:
         registry: WorkerRegistry,
         tokenizer: Any,
         model: ModelCard,
-        relay_config: RelayConfig | None = None,
-        max_in_flight: int = 256,
-        max_queued: int = 512,
+        config: RouterConfig | None = None,
         metrics: RouterMetrics | None = None,
         policy: Any = None,
-        max_n: int = DEFAULT_MAX_N,
     ) -> Router:
+        """A router with its relay and admission, as `config` says. `policy`: a RoutingPolicy
+        to use instead of `config.routing_policy`'s."""
         from kvrelay.router.policy import RoutingPolicy
 
+        config = config or RouterConfig()
         metrics = metrics or RouterMetrics()
         metrics.watch_pools(registry.by_pool)
-        relay = Relay(registry, policy or RoutingPolicy(), relay_config or RelayConfig(), metrics)
-        admission = AdmissionController(max_in_flight, max_queued)
-        return cls(registry, tokenizer, model, relay, admission, metrics, max_n)
+        policy = policy or RoutingPolicy(config.routing_policy)
+        relay = Relay(registry, policy, config, metrics)
+        admission = AdmissionController(config.max_in_flight, config.max_queued)
+        return cls(registry, tokenizer, model, relay, admission, metrics, config.max_n)
 
     # -- requests --
 
