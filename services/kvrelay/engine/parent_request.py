@@ -94,15 +94,15 @@ class ParentRequest:
             self._completion(index, child, self.detokenizers[index])
             for index, child in enumerate(self.children)
         ]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=completions,
-            finished=self.finished,
-            metrics=self.metrics(),
-            kv_handle=self.kv_handle,
-            error=self.error,
+        return RequestOutput(  # positional (RequestOutput's field order): a third cheaper
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.finished,
+            self.metrics(),
+            self.kv_handle,
+            self.error,
         )
 
     @staticmethod

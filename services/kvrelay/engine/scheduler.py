@@ -12,12 +12,16 @@ apart (`add_waiting_for_remote_kv`) until `finish_remote_kv` lets it run or reco
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.request import Request, RequestStatus
+
+# Order of service (Request.scheduling_key), read in C by `sorted`.
+_SERVICE_ORDER = operator.attrgetter("scheduling_key")
 
 
 @dataclass(frozen=True)
@@ -157,33 +161,39 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first: a long prompt's next chunk must never delay the tokens of running
-        # streams. Within each kind, older / higher-priority requests come first. Every
-        # running request passes here every step, so a decode (one token left to compute)
-        # takes the short way: no chunk sizing, and its chunk built directly.
-        ordered = sorted(
-            self.running,
-            key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.scheduling_key),
-        )
-        forks = self._forks
-        for request in ordered:
+        # streams. Within each kind, older / higher-priority requests come first. One pass
+        # in service order serves the decodes and sets the prefills aside for a second
+        # (every running request passes here every step: a decode takes the short way).
+        prefills: list[Request] = []
+        for request in sorted(self.running, key=_SERVICE_ORDER):
+            if budget == 0:
+                return budget
+            if request.num_tokens - request.num_computed_tokens > 1:
+                prefills.append(request)
+            else:
+                budget = self._schedule_one(request, out, budget)
+        for request in prefills:
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop to make room
-            start = request.num_computed_tokens
-            left = request.num_tokens - start
-            size = 1 if left == 1 else self._chunk_size(request, budget)
-            if size == 0:
-                continue
-            if not self._allocate_or_preempt(request, start + size, out):
-                continue
-            if size == left:  # the chunk reaches the last token: it samples
-                its_forks = tuple(forks.get(request.request_id, ())) if forks else ()
-                out.chunks.append(ScheduledChunk(request, start, size, True, its_forks))
-            else:
-                out.chunks.append(ScheduledChunk(request, start, size, False))
-            budget -= size
+            budget = self._schedule_one(request, out, budget)
         return budget
+
+    def _schedule_one(self, request: Request, out: SchedulerOutput, budget: int) -> int:
+        """Schedule running `request`'s next chunk within `budget`; the budget left."""
+        if request.status != RequestStatus.RUNNING:
+            return budget  # preempted earlier in this step to make room
+        start = request.num_computed_tokens
+        left = request.num_tokens - start
+        size = 1 if left == 1 else self._chunk_size(request, budget)
+        if size == 0 or not self._allocate_or_preempt(request, start + size, out):
+            return budget
+        if size == left:  # the chunk reaches the last token: it samples
+            forks = self._forks
+            its_forks = tuple(forks.get(request.request_id, ())) if forks else ()
+            out.chunks.append(ScheduledChunk(request, start, size, True, its_forks))
+        else:
+            out.chunks.append(ScheduledChunk(request, start, size, False))
+        return budget - size
 
     def _allocate_or_preempt(self, request: Request, total: int, out: SchedulerOutput) -> bool:
         """Find KV room for `request`, preempting lower-priority running requests if needed.
@@ -193,7 +203,7 @@ class Scheduler:
         while not self.kv_cache.allocate_slots(
             request.request_id, total, num_computed_tokens=request.num_computed_tokens
         ):
-            victim = max(self.running, key=lambda r: r.scheduling_key)
+            victim = max(self.running, key=_SERVICE_ORDER)
             scheduled = [c for c in out.chunks if c.request is victim]
             if scheduled:
                 # A victim already in this step's batch gives its tokens back to the budget
@@ -215,7 +225,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for request in sorted(self.waiting, key=lambda r: r.scheduling_key):
+        for request in sorted(self.waiting, key=_SERVICE_ORDER):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             assert request.num_computed_tokens == 0, "a waiting request holds no KV"
