@@ -4,7 +4,10 @@ worker's KV blocks. Implementations: NIXL (UCX) and gRPC; both move raw block by
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -20,18 +23,41 @@ class StalePeerError(TransferError):
     """The handle names an engine epoch this connector does not know (the peer restarted)."""
 
 
-def check_peer_epoch(handle: KVHandle, known_epoch: int | None) -> None:
-    """Refuse a handle unless it comes from the life of its engine this connector knows.
+class _Peer(Protocol):
+    """What a connector keeps of a peer, as far as the epoch rules go."""
+
+    @property
+    def epoch(self) -> int: ...
+
+
+PeerT = TypeVar("PeerT", bound=_Peer)
+
+
+def known_peer(peers: Mapping[str, PeerT], lock: threading.Lock, handle: KVHandle) -> PeerT:
+    """The peer `handle` comes from, from a connector's `peers` by engine id (read under
+    `lock`), refused unless the connector knows that engine at the handle's epoch: the one
+    peer-epoch check both connectors make before a pull.
 
     Raises:
         StalePeerError: the engine is unknown here, or known at another epoch.
     """
-    if known_epoch is None or known_epoch != handle.epoch:
-        known = "unknown" if known_epoch is None else f"at epoch {known_epoch}"
+    with lock:
+        peer = peers.get(handle.engine_id)
+    if peer is None or peer.epoch != handle.epoch:
+        known = "unknown" if peer is None else f"at epoch {peer.epoch}"
         raise StalePeerError(
             f"handle of {handle.engine_id} epoch {handle.epoch}: that engine is {known} "
             "here (it restarted, or add_peer was not called); recompute the prompt"
         )
+    return peer
+
+
+def is_older_life(peers: Mapping[str, PeerT], lock: threading.Lock, meta: PeerMetadata) -> bool:
+    """Whether `meta` tells of an older life of an engine the connector knows at a newer
+    epoch (a late message, which `add_peer` ignores)."""
+    with lock:
+        known = peers.get(meta.engine_id)
+    return known is not None and known.epoch > meta.epoch
 
 
 class KVConnector(ABC):

@@ -23,7 +23,8 @@ from kvrelay.transfer.base import (
     KVConnector,
     StalePeerError,
     TransferError,
-    check_peer_epoch,
+    is_older_life,
+    known_peer,
 )
 from kvrelay.transfer.grpc_server import (
     DEFAULT_CHUNK_BYTES,
@@ -164,10 +165,8 @@ class GrpcConnector(KVConnector):
         """
         if peer.backend != BACKEND:
             raise ValueError(f"a {peer.backend!r} peer cannot be reached by the gRPC connector")
-        with self._lock:
-            known = self._peers.get(peer.engine_id)
-        if known is not None and known.epoch > peer.epoch:
-            return  # a late message about an older life
+        if is_older_life(self._peers, self._lock, peer):
+            return
         try:
             address = peer.payload.decode()
         except UnicodeDecodeError as exc:
@@ -191,10 +190,7 @@ class GrpcConnector(KVConnector):
         rows = self._rows
         if rows is None:
             raise RuntimeError("call register(kv_tensor, engine_id, epoch) first")
-        with self._lock:
-            peer = self._peers.get(handle.engine_id)
-        check_peer_epoch(handle, None if peer is None else peer.epoch)
-        assert peer is not None
+        peer = known_peer(self._peers, self._lock, handle)
         if len(plan.remote_block_ids) != len(plan.local_block_ids):
             raise TransferError(f"pull plan {plan.request_id!r} does not pair its blocks 1:1")
         check_block_ids(plan.local_block_ids, rows.shape[0], "local")

@@ -17,11 +17,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
-from kvrelay.transfer.base import (
-    KVConnector,
-    TransferError,
-    check_peer_epoch,
-)
+from kvrelay.transfer.base import KVConnector, TransferError, is_older_life, known_peer
 from kvrelay.transfer.kv_regions import block_bytes, check_kv_tensor, check_plan
 from kvrelay.transfer.network import UCX_NET_DEVICES_ENV
 from kvrelay.transfer.nixl_api import create_agent, load_nixl_api
@@ -143,10 +139,8 @@ class NixlConnector(KVConnector):
         local = self._registered()
         if peer.backend != BACKEND:
             raise ValueError(f"a {peer.backend!r} peer cannot be reached by the NIXL connector")
-        with self._lock:
-            known = self._peers.get(peer.engine_id)
-        if known is not None and known.epoch > peer.epoch:
-            return  # a late message about an older life
+        if is_older_life(self._peers, self._lock, peer):
+            return
         info = pb.NixlPeerInfo()
         try:
             info.ParseFromString(peer.payload)
@@ -179,10 +173,7 @@ class NixlConnector(KVConnector):
 
     def pull(self, handle: KVHandle, plan: PullPlan) -> None:
         local = self._registered()
-        with self._lock:
-            peer = self._peers.get(handle.engine_id)
-        check_peer_epoch(handle, None if peer is None else peer.epoch)
-        assert peer is not None
+        peer = known_peer(self._peers, self._lock, handle)
         check_plan(plan, peer.region.num_blocks, local.num_blocks)
         runs = merge_runs(plan.remote_block_ids, plan.local_block_ids)
         if not runs:
