@@ -53,8 +53,8 @@ from tests.fake_cuda import kernels, launches, runtime
 from tests.fake_cuda.mode import FakeCudaMode
 from tests.fake_cuda.scenarios import fake_sampling, make_engine, patch_loading, write_model
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.sampling import SamplingParams
 
 # Host time of one torch op on CUDA tensors (Python binding, dispatcher, caching allocator,
 # cudaLaunchKernel), charged per device op and graph replay in place of the fake dispatch.

@@ -69,7 +69,7 @@ class Worker:
 
     def pull(self, engine_id: str, remote: list[int], local: list[int], handle_id: str) -> float:
         """Seconds from pull start to every byte landed."""
-        from kvrelay.messages import KVHandle, PullPlan
+        from kvrelay.common.messages import KVHandle, PullPlan
 
         handle = KVHandle(engine_id, 1, "bench", tuple(remote), 0, (), 0, handle_id=handle_id)
         plan = PullPlan("bench", tuple(remote), tuple(local))

@@ -188,7 +188,7 @@ def free_device_memory() -> None:
 
 
 def greedy(max_tokens: int, *, ignore_eos: bool = True) -> Any:
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 

@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from kvrelay.common.sampling_params import SamplingParams
     from kvrelay.engine.outputs import CompletionOutput, RequestOutput
-    from kvrelay.engine.sampling import SamplingParams
     from kvrelay.llm import LLM
 
 
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from kvrelay.engine.sampling import SamplingParams
+        from kvrelay.common.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):

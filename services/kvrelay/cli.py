@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.engine.args import EngineArgs
 
 if TYPE_CHECKING:
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
 DESCRIPTION = """\
 kvrelay serves LLMs from a paged KV cache with continuous batching.
@@ -68,7 +68,7 @@ def _add_sampling_args(
 
 
 def _sampling_params(ns: argparse.Namespace, n: int = 1) -> SamplingParams:
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
     return SamplingParams(
         n=n,

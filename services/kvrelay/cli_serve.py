@@ -342,7 +342,9 @@ def cmd_router(ns: argparse.Namespace) -> int:
     background = []
     if ns.manage_workers:
         args = {k: v for k, v in dataclasses.asdict(engine_args).items()}
-        manager = WorkerManager(args, ns.transfer_backend, ns.worker_threads or 1)
+        from kvrelay.worker.pools import spawn_worker
+
+        manager = WorkerManager(spawn_worker, args, ns.transfer_backend, ns.worker_threads or 1)
         background.append(manager.run())
 
     async def main() -> None:

@@ -11,10 +11,10 @@ from typing import Any, TypeAlias
 
 from tqdm import tqdm
 
+from kvrelay.common.messages import RequestFailedError
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import RequestFailedError
 
 # A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 Prompt: TypeAlias = str | Mapping[str, Any]

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 
 
 def https_context(

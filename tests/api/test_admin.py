@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from kvrelay.api.server import ApiServer, ServerConfig
-from kvrelay.messages import DrainState, WorkerStatus
+from kvrelay.common.messages import DrainState, WorkerStatus
 from kvrelay.router.local import local_router
 from tests.router.fake_worker import FakeWorker
 from tests.worker.conftest import worker_ray

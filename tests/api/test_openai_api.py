@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.llm import LLM
 from tests.api.metrics import pools_idle, scrape, wait_for
 from tests.servers import ServerProcess

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.remote_chat import RemoteChat
 from tests.servers import ServerProcess
 

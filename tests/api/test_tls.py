@@ -30,7 +30,7 @@ from kvrelay.cli import _chat_streamer, build_parser
 from kvrelay.cli_serve import _server_config, add_server_args
 from kvrelay.client import AsyncClient, Client, UnavailableError
 from kvrelay.client.options import build_options, tls_credentials
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.remote_chat import RemoteChat, https_context
 from kvrelay.v1 import generation_pb2 as pb
 from kvrelay.v1 import generation_pb2_grpc as pb_grpc

@@ -12,7 +12,7 @@ from kvrelay.client.convert import (
     chunk_from_proto,
     sampling_options,
 )
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.v1 import generation_pb2 as pb
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import build_batch_inputs, padded_block_table
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import ScheduledChunk
 
 BLOCK = 4

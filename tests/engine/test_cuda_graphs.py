@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.cuda_graphs import DecodeGraphs
 from kvrelay.engine.graph_padding import (
     PAD_SLOT,
@@ -17,7 +18,6 @@ from kvrelay.engine.graph_padding import (
     padded_size,
     replays,
 )
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.loader import load_model
 from kvrelay_kernels import cuda_backend, select_backend

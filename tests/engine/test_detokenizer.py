@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.common.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

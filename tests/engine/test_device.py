@@ -20,12 +20,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import EngineConfig, SchedulerConfig
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.device import CPU_AUTO_DTYPE_ENV, resolve_device, resolve_dtype
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.cpu_features import cpu_has_native_bf16
 from kvrelay.models.loader import load_model
 from kvrelay.worker.pools import actor_engine_args, worker_num_gpus

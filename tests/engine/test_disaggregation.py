@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from kvrelay.common.messages import KVHandle, PullPlan
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, PullPlan
 from tests.engine.conftest import TINY_VOCAB, EngineFactory, assert_pool_whole, run_to_completion
 
 
@@ -167,7 +167,7 @@ def test_prefill_engine_rejects_n_above_one(make_engine: EngineFactory) -> None:
 
 
 def test_cached_block_hashes_summarize_the_prefix_cache(make_engine: EngineFactory) -> None:
-    from kvrelay.engine.kv_cache.block_hash import hash_token_blocks
+    from kvrelay.common.block_hash import hash_token_blocks
 
     engine = make_engine()
     assert engine.cached_block_hashes() == []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from tests.engine.conftest import (
     TINY_VOCAB,
     EngineFactory,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay_kernels import cuda_backend
 from kvrelay_kernels.counters import COUNTERS
 from tests.engine.conftest import run_to_completion

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from kvrelay.common.messages import KVHandle
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.request import RequestStatus
-from kvrelay.messages import KVHandle
 from tests.engine.conftest import EngineFactory, assert_pool_whole, run_to_completion
 from tests.engine.test_disaggregation import copy_blocks, decode_all, greedy, prefill
 

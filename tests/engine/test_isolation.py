@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
+from kvrelay.common.messages import RequestFailedError
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.isolation import SAMPLING_FAILED
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampler import Sampler, SamplingRow
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.llm import LLM
-from kvrelay.messages import RequestFailedError
 from tests.engine.conftest import EngineFactory, assert_pool_whole
 
 PROMPTS = {name: list(range(3 + 5 * i, 14 + 6 * i)) for i, name in enumerate("abcdef")}

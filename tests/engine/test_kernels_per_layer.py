@@ -117,7 +117,7 @@ def count_probe(counter: Any) -> dict[str, Any]:
 
 def count_model(model: Path, counter: Any, mode: Any) -> dict[str, Any]:
     """One eager pure-decode step of ROWS requests: kernels in the layers and in all."""
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
     from tests.fake_cuda.launches import counting_layers
     from tests.fake_cuda.scenarios import fake_sampling, make_engine
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.sampling import SamplingParams
 from tests.engine.conftest import EngineFactory, assert_pool_whole, run_to_completion
 from tests.engine.test_disaggregation import copy_blocks, decode_all, prefill
 

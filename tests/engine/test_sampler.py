@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine import sampler as sampler_mod
 from kvrelay.engine import sampling_ops
 from kvrelay.engine.penalties import (
@@ -19,7 +20,6 @@ from kvrelay.engine.penalties import (
     flatten_token_ids,
 )
 from kvrelay.engine.sampler import Sampler, SamplingRow
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.sampling_ops import sample_inverse_cdf, truncation_threshold
 
 EOS = 2

@@ -47,7 +47,7 @@ def test_a_sampled_batch_is_a_handful_of_kernels(tmp_path: Path) -> None:
 
 
 def _params(kind: str) -> object:
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
     if kind == "greedy":
         return SamplingParams(temperature=0.0)

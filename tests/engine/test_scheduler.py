@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.request import Request, RequestStatus
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 
 

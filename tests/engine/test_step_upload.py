@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.runner import padded_block_table
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.staging import HostArray, StepStager
 from kvrelay.engine.step_upload import StepUploader
 from kvrelay.models.inputs import AttentionInputs

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.warm_up import (
     DECODES,
     MIXED,

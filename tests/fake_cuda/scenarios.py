@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.sampler import SamplerOutput, SamplingRow
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models import loader
 from kvrelay.transfer.kv_regions import PinnedStaging, block_bytes, chunk_segments, flat_bytes
 from kvrelay_kernels.counters import COUNTERS

@@ -22,7 +22,7 @@ KV = Autoscaling(enabled=True, metric="kvUsage", target=0.8)
 
 
 def _router_text(ttfts: list[float], itls: list[float], kv: dict[str, float]) -> str:
-    from kvrelay.messages import EngineStats
+    from kvrelay.common.messages import EngineStats
     from kvrelay.metrics import RouterMetrics
 
     metrics = RouterMetrics()

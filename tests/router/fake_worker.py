@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.messages import (
+from kvrelay.common.messages import (
     DrainState,
     EngineStats,
     KVHandle,
@@ -32,7 +32,7 @@ from kvrelay.messages import (
 from kvrelay.worker.channel import ChannelEndpoint
 
 if TYPE_CHECKING:
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
 VOCAB = 50000
 BLOCK_SIZE = 4

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.common.messages import ChannelItem
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import ChannelItem
 from kvrelay.router.channel import ChannelClosedError, Channels, Inbox, WorkerChannel
 from kvrelay.router.local import local_router
 from kvrelay.router.types import GenerateRequest

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.tokenizer import load_tokenizer
 from kvrelay.router.errors import UnavailableError
 from kvrelay.router.router import ModelCard, Router

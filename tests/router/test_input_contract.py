@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from kvrelay.common.messages import Role, WorkerInfo
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import Role, WorkerInfo
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.errors import InvalidRequestError
 from kvrelay.router.prompt_encoder import PromptEncoder

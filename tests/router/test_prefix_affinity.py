@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.models.tokenizer import load_tokenizer
 from kvrelay.router.policy import RoutingPolicy
 from kvrelay.router.router import ModelCard, Router

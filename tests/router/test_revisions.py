@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from kvrelay.messages import PeerMetadata, Role, WorkerInfo
+from kvrelay.common.messages import PeerMetadata, Role, WorkerInfo
 from kvrelay.router.kv_reach import unreachable_reason, warn_if_unreachable
 from kvrelay.router.revisions import own_revision, pick_revision
 from kvrelay.router.workers import WorkerRegistry, WorkerState
@@ -171,7 +171,7 @@ def test_the_call_out_is_a_warning_and_nixl_is_not_checked(
 
 
 def test_failed_pulls_since_the_last_poll_are_counted() -> None:
-    from kvrelay.messages import EngineStats
+    from kvrelay.common.messages import EngineStats
     from kvrelay.router.kv_reach import warn_of_fallbacks
 
     def stats(fallbacks: int, failures: int = 0) -> EngineStats:

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from kvrelay.messages import EngineStats, WorkerInfo
+from kvrelay.common.messages import EngineStats, WorkerInfo
 from kvrelay.router.decision import Decision, decide
 from kvrelay.router.errors import UnavailableError
 from kvrelay.router.policy import RouteQuery, RoutingPolicy

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import SampleDelta
+from kvrelay.common.messages import SampleDelta
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.models.tokenizer import load_tokenizer
 from kvrelay.router.sample_state import SampleState
 

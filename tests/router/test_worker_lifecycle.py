@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.common.messages import DrainState
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import DrainState
 from kvrelay.router.local import complete, local_router
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
+from kvrelay.common.messages import KVHandle, PeerMetadata, PullPlan
 from kvrelay.transfer.auth import KVSecret
 from kvrelay.transfer.base import KVConnector, TransferError
 from kvrelay.transfer.factory import create_connector

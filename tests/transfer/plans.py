@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrelay.common.messages import KVHandle, PullPlan
 from kvrelay.engine.leases import LeaseTable
-from kvrelay.messages import KVHandle, PullPlan
 from kvrelay.transfer.auth import KVSecret
 
 SECRET = KVSecret(b"kvrelay-tests-deployment-secret!")  # the tests' deployment secret

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.messages import PeerMetadata
+from kvrelay.common.messages import PeerMetadata
 from kvrelay.transfer.base import StalePeerError, TransferError
 from kvrelay.transfer.grpc_connector import GrpcConnector
 from tests.transfer.peers import make_kv

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.handoff import KVHandoff, KVWriteFence
-from kvrelay.engine.sampling import SamplingParams
 from tests.engine.conftest import EngineFactory, make_engine, tiny_llama_dir  # noqa: F401
 
 

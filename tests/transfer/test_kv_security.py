@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from kvrelay.messages import KVHandle
+from kvrelay.common.messages import KVHandle
 from kvrelay.transfer.auth import NOT_AUTHORIZED, KVSecret, KVSecretError
 from kvrelay.transfer.base import TransferError
 from kvrelay.transfer.grpc_connector import GrpcConnector

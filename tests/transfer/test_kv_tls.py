@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from kvrelay.messages import KVHandle
+from kvrelay.common.messages import KVHandle
 from kvrelay.transfer.base import TransferError
 from kvrelay.transfer.factory import create_connector
 from kvrelay.transfer.grpc_connector import GrpcConnector

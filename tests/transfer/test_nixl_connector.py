@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.messages import PeerMetadata
+from kvrelay.common.messages import PeerMetadata
 from kvrelay.transfer.base import StalePeerError, TransferError
 from kvrelay.transfer.factory import nixl_available
 from kvrelay.transfer.nixl_connector import NixlConnector

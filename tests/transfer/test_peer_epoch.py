@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvrelay.messages import KVHandle, PeerMetadata
+from kvrelay.common.messages import KVHandle, PeerMetadata
 from kvrelay.transfer.base import StalePeerError, is_older_life, known_peer
 
 

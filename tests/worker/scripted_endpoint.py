@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, OutputDelta, SampleDelta
+from kvrelay.common.messages import KVHandle, OutputDelta, SampleDelta
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.worker.channel import ChannelEndpoint
 
 

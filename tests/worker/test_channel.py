@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import ChannelItem, OutputDelta, RequestFailedError, SampleDelta
+from kvrelay.common.messages import ChannelItem, OutputDelta, RequestFailedError, SampleDelta
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.stream_wire import read_batch
 from kvrelay.router.channel import connect
 from kvrelay.worker.channel import OutputChannel, failure_item
-from kvrelay.worker.stream_wire import read_batch
 from tests.worker.scripted_endpoint import ScriptedEndpoint
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router.local import complete, local_router
 from kvrelay.router.types import GenerateChunk
 from kvrelay.worker.pools import Pools

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrelay.common.messages import RequestFailedError
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampler import Sampler, SamplingRow
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import RequestFailedError
 from kvrelay.worker.actor import EngineWorker
 from kvrelay.worker.engine_loop import EngineLoop
 from tests.engine.conftest import EngineFactory, assert_pool_whole, run_to_completion

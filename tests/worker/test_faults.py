@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.common.messages import EngineStats
 from kvrelay.config import RouterConfig
-from kvrelay.messages import EngineStats
 from kvrelay.router.local import complete, local_router
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory

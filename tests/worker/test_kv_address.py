@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.common.messages import DrainState, KVHandle, Role
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import DrainState, KVHandle, Role
 from kvrelay.worker.actor import EngineWorker, Placement
 from tests.engine.conftest import EngineFactory
 from tests.transfer.plans import SECRET

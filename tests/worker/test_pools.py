@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import ray
 
+from kvrelay.common.messages import OutputDelta
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import OutputDelta
 from kvrelay.router.local import complete, local_router
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory, run_to_completion

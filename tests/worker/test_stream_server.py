@@ -14,12 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, SampleDelta
-from kvrelay.router.channel import connect
-from kvrelay.worker import channel as worker_channel
-from kvrelay.worker import stream_server
-from kvrelay.worker.stream_wire import (
+from kvrelay.common.messages import ChannelItem, KVHandle, OutputDelta, SampleDelta
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.stream_wire import (
     HELLO_BYTES,
     MAX_FRAME_BYTES,
     ChannelAddress,
@@ -31,6 +28,9 @@ from kvrelay.worker.stream_wire import (
     server_tls,
     worker_proof,
 )
+from kvrelay.router.channel import connect
+from kvrelay.worker import channel as worker_channel
+from kvrelay.worker import stream_server
 from tests.pki import have_openssl, make_ca, make_leaf
 from tests.worker.scripted_endpoint import ScriptedEndpoint
 

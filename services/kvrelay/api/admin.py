@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvrelay.messages import DrainState
+from kvrelay.common.messages import DrainState
 from kvrelay.router.workers import WorkerRegistry, WorkerState
 
 WORKERS_PATH = "/admin/v1/workers"

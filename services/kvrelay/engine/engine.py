@@ -10,8 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrelay.common.detokenizer import Tokenizer
+from kvrelay.common.messages import EngineStats, KVHandle, PullPlan, Role
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import EngineConfig
-from kvrelay.engine.detokenizer import Tokenizer
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
 from kvrelay.engine.isolation import SAMPLING_FAILED
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
@@ -21,10 +23,8 @@ from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
 from kvrelay.engine.runner import CausalLMModel, ModelRunner, StepResult
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, skip_seeded_draws
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.engine.warm_up import warm_up
-from kvrelay.messages import EngineStats, KVHandle, PullPlan, Role
 from kvrelay_kernels import jit_watch
 
 logger = logging.getLogger(__name__)

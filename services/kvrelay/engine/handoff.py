@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.common.messages import KVHandle, PullPlan, Role
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager, blocks_needed
 from kvrelay.engine.leases import LeaseTable
 from kvrelay.engine.request import Request, RequestStatus
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
-from kvrelay.messages import KVHandle, PullPlan, Role
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvrelay.messages import KVHandle
+from kvrelay.common.messages import KVHandle
 
 
 @dataclass

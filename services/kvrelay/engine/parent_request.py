@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.common.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.common.messages import KVHandle, sample_request_id
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request, RequestStatus
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, sample_request_id
 
 
 @dataclass

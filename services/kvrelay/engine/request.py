@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
 
@@ -76,7 +76,7 @@ class Request:
     num_preemptions: int = 0
     # Tie-breaker that keeps FCFS order stable for equal arrival times.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
-    # Chain hashes of the full blocks of prompt + output hashed so far (kv_cache/block_hash.py);
+    # Chain hashes of the full blocks of prompt + output hashed so far (common/block_hash.py);
     # tokens never change, so this only grows.
     block_hashes: list[bytes] = field(default_factory=list)
     # Tokens found in the prefix cache at the last admission.

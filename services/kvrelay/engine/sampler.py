@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.penalties import (
     apply_logit_bias,
     apply_presence_frequency_penalties,
@@ -21,7 +22,6 @@ from kvrelay.engine.penalties import (
     flatten_token_ids,
     mask_tokens,
 )
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.sampling_ops import argmax, sample_inverse_cdf, truncation_threshold
 
 # The clamps live here, not in SamplingParams: they are limits of this fp32 arithmetic, and the

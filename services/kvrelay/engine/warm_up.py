@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.runner import CausalLMModel
 from kvrelay.engine.sampler import Sampler, SamplingRow
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.inputs import AttentionInputs
 
 # (context length, query tokens) per sequence of each warm-up step. Contexts cross a block

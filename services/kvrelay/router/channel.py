@@ -20,8 +20,8 @@ import logging
 import uuid
 from typing import Any
 
-from kvrelay.messages import ChannelItem
-from kvrelay.worker.stream_wire import (
+from kvrelay.common.messages import ChannelItem
+from kvrelay.common.stream_wire import (
     HANDSHAKE_TIMEOUT_S,
     PROOF_BYTES,
     ChannelAddress,

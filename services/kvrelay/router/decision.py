@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from kvrelay.messages import Role
+from kvrelay.common.messages import Role
 from kvrelay.router.errors import UnavailableError
 
 

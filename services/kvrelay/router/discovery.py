@@ -20,11 +20,11 @@ import os
 import re
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.messages import POD_NAME_ENV, Role
+from kvrelay.common.messages import POD_NAME_ENV, Role
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +111,16 @@ class WorkerManager:
 
     def __init__(
         self,
+        spawn: Callable[..., Any],
         engine_args: dict[str, Any],
         transfer_backend: str = "auto",
         num_threads: int = 1,
         roles: Sequence[str] = ("prefill", "decode"),
     ) -> None:
+        """`spawn`: `kvrelay.worker.pools.spawn_worker`, passed in by the command that runs
+        the router, so the router's modules never load the worker's (nor torch and the
+        engine, which a router that starts no workers never needs)."""
+        self.spawn = spawn
         self.engine_args = engine_args
         self.transfer_backend = transfer_backend
         self.num_threads = num_threads
@@ -131,10 +136,6 @@ class WorkerManager:
         """
         import ray
 
-        # Imported here: the worker module loads torch and the engine, which a router that
-        # does not start workers never needs.
-        from kvrelay.worker.pools import spawn_worker
-
         started: dict[str, int] = {}
         nodes = ray.nodes()
         live = {name for names in _named_workers().values() for name in names}
@@ -145,7 +146,7 @@ class WorkerManager:
                 if slot.name in live:
                     continue
                 try:
-                    spawn_worker(
+                    self.spawn(
                         self.engine_args,
                         role,
                         self.transfer_backend,

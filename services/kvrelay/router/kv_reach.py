@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-from kvrelay.messages import EngineStats, PeerMetadata, WorkerInfo
+from kvrelay.common.messages import EngineStats, PeerMetadata, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.router.policy import RoutingPolicy
 from kvrelay.router.router import ModelCard, Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest, collect_chunks

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvrelay.engine.sampling import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.router.errors import InvalidRequestError
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}

@@ -18,9 +18,9 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from kvrelay.common.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, Role
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, Role
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.channel import ChannelClosedError, Channels
 from kvrelay.router.decision import Decision, decide

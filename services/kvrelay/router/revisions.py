@@ -15,7 +15,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 
-from kvrelay.messages import GENERATION_ENV, Role
+from kvrelay.common.messages import GENERATION_ENV, Role
 
 DECODE_CAPABLE = (Role.DECODE, Role.BOTH)
 

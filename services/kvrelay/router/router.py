@@ -16,9 +16,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.common.block_hash import hash_token_blocks
+from kvrelay.common.messages import Role, sample_request_id
 from kvrelay.config import DEFAULT_MAX_N, RouterConfig
-from kvrelay.engine.kv_cache.block_hash import hash_token_blocks
-from kvrelay.messages import Role, sample_request_id
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.admission import AdmissionController, Ticket
 from kvrelay.router.errors import (

@@ -8,9 +8,9 @@ the new ones.
 
 from __future__ import annotations
 
-from kvrelay.engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import SampleDelta
+from kvrelay.common.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.common.messages import SampleDelta
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.router.types import ChoiceDelta, TokenLogprob
 
 

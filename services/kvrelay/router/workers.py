@@ -16,7 +16,14 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.messages import DrainState, EngineStats, PeerMetadata, Role, WorkerInfo, WorkerStatus
+from kvrelay.common.messages import (
+    DrainState,
+    EngineStats,
+    PeerMetadata,
+    Role,
+    WorkerInfo,
+    WorkerStatus,
+)
 from kvrelay.router.kv_reach import warn_if_unreachable, warn_of_fallbacks
 from kvrelay.router.prefix_index import PrefixIndex
 from kvrelay.router.revisions import own_revision, pick_revision

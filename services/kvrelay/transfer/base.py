@@ -11,7 +11,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
+from kvrelay.common.messages import KVHandle, PeerMetadata, PullPlan
 from kvrelay.transfer.auth import ClaimPull
 
 

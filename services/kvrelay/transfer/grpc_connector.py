@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import torch
 
-from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
+from kvrelay.common.messages import KVHandle, PeerMetadata, PullPlan
 from kvrelay.transfer.auth import ClaimPull, KVSecret
 from kvrelay.transfer.base import (
     KVConnector,

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvrelay.messages import PullPlan
+from kvrelay.common.messages import PullPlan
 from kvrelay.transfer.base import TransferError
 
 KV_TENSOR_DIMS = 6  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]

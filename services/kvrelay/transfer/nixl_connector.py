@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
-from kvrelay.messages import KVHandle, PeerMetadata, PullPlan
+from kvrelay.common.messages import KVHandle, PeerMetadata, PullPlan
 from kvrelay.transfer.base import KVConnector, TransferError, is_older_life, known_peer
 from kvrelay.transfer.kv_regions import block_bytes, check_kv_tensor, check_plan
 from kvrelay.transfer.network import UCX_NET_DEVICES_ENV

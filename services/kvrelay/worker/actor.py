@@ -14,11 +14,7 @@ import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from kvrelay.engine.args import EngineArgs
-from kvrelay.engine.engine import Engine
-from kvrelay.engine.outputs import RequestOutput
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import (
+from kvrelay.common.messages import (
     GENERATION_ENV,
     NODE_NAME_ENV,
     POD_NAME_ENV,
@@ -31,6 +27,10 @@ from kvrelay.messages import (
     WorkerInfo,
     WorkerStatus,
 )
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.args import EngineArgs
+from kvrelay.engine.engine import Engine
+from kvrelay.engine.outputs import RequestOutput
 from kvrelay.transfer.auth import KVSecret, resolve_kv_secret
 from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector

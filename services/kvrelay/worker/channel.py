@@ -18,13 +18,13 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvrelay.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError
+from kvrelay.common.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError
+from kvrelay.common.stream_wire import CHANNEL_ID_BYTES, ChannelAddress, server_tls
 from kvrelay.transfer.network import KVNetwork
 from kvrelay.worker.stream_server import KEY_TTL_S, StreamServer
-from kvrelay.worker.stream_wire import CHANNEL_ID_BYTES, ChannelAddress, server_tls
 
 if TYPE_CHECKING:
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _HEX_DIGITS = frozenset("0123456789abcdef")
@@ -116,7 +116,7 @@ class ChannelEndpoint:
     async def open_channel(self, channel_id: str) -> ChannelAddress:
         """Where the router that named `channel_id` (a uuid4's hex) connects for the batches
         of the requests it starts with that id, and the single-use key it proves itself with
-        (worker/stream_wire.py). Connecting ends when either side hangs up, and that ends
+        (common/stream_wire.py). Connecting ends when either side hangs up, and that ends
         the channel: its requests still running are aborted."""
         if len(channel_id) != CHANNEL_ID_BYTES or set(channel_id) - _HEX_DIGITS:
             raise ValueError(f"a channel id is {CHANNEL_ID_BYTES} hex digits")

@@ -7,8 +7,8 @@ its first token so a receiver can line up streams that overlap (a recompute afte
 
 from __future__ import annotations
 
+from kvrelay.common.messages import OutputDelta, SampleDelta
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.messages import OutputDelta, SampleDelta
 
 
 class DeltaTracker:

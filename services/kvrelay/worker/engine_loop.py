@@ -16,10 +16,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
+from kvrelay.common.messages import KVHandle, PullPlan, RequestFailedError
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.engine.sampling import SamplingParams
-from kvrelay.messages import KVHandle, PullPlan, RequestFailedError
 from kvrelay.transfer.base import KVConnector, TransferError
 from kvrelay_kernels.cpu_threads import use_one_cpu_thread
 

@@ -11,8 +11,8 @@ import logging
 import os
 from typing import Any
 
+from kvrelay.common.messages import EngineStats, Role
 from kvrelay.engine.args import EngineArgs
-from kvrelay.messages import EngineStats, Role
 from kvrelay.transfer.auth import KVSecret
 from kvrelay.worker.actor import EngineWorker
 from kvrelay.worker.priority import unniced_ray_env

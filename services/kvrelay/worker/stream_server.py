@@ -1,4 +1,4 @@
-"""A worker's output-stream listener (the wire: worker/stream_wire.py): one port per worker, one
+"""A worker's output-stream listener (the wire: common/stream_wire.py): one port per worker, one
 connection per router, each carrying one output channel's batches (worker/channel.py).
 
 It lives on the worker's event loop, where the channels live: a connection's task reads the
@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvrelay.worker.stream_wire import (
+from kvrelay.common.stream_wire import (
     HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
     ChannelAddress,

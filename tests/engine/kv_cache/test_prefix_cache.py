@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from kvrelay.engine.kv_cache.block_hash import (
+from kvrelay.common.block_hash import (
     ROOT_HASH,
     hash_block_tokens,
     hash_token_blocks,
 )
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.request import Request
-from kvrelay.engine.sampling import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:

@@ -11,10 +11,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvrelay.engine.kv_cache.block_hash import BlockHash, hash_token_blocks
+from kvrelay.common.block_hash import BlockHash, hash_token_blocks
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager, blocks_needed
 from kvrelay.engine.request import Request
-from kvrelay.engine.sampling import SamplingParams
 
 BS = 2
 NUM_BLOCKS = 12

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.models.loader import load_model
 from kvrelay_kernels import available_backends, select_backend, triton_attention
 

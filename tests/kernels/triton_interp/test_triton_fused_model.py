@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.warm_up import MIXED, step_inputs
 from kvrelay.models import layers, llama
 from kvrelay.models.loader import load_model

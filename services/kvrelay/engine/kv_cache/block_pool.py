@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from kvrelay.engine.kv_cache.block_hash import BlockHash
+from kvrelay.common.block_hash import BlockHash
 
 
 class BlockPool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrelay.engine.kv_cache.block_hash import BlockHash, extend_block_hashes
+from kvrelay.common.block_hash import BlockHash, extend_block_hashes
 from kvrelay.engine.kv_cache.block_pool import BlockPool
 from kvrelay.engine.request import Request
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvrelay.messages import ChannelItem
+from kvrelay.common.messages import ChannelItem
 
 KEY_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size
