@@ -17,7 +17,7 @@ from kvrelay.models.gguf_blocks import (
     QuantizedWeightError,
 )
 from kvrelay.models.quantized import int8_panels
-from kvrelay_kernels.cpu_extension import CSRC_CPU
+from kvrelay_kernels.cpu_extension import CSRC_CPU, headers_flag
 from kvrelay_kernels.cpu_quantized import load_int8_dot_ops
 from tests.kernels.gguf_weights import FORMATS, gguf_weight
 
@@ -214,7 +214,8 @@ def test_other_instruction_sets_compute_the_same(ops: ModuleType, isa: str) -> N
     other = load(
         name=f"kvrelay_int8_dot_test_{isa}",
         sources=[str(CSRC_CPU / "int8_dot_matmul.cpp")],
-        extra_cflags=["-O2", *flags, "-fopenmp", "-ffp-contract=fast"],
+        # headers_flag: torch keys its cache on the source, not on int8_activations.h
+        extra_cflags=["-O2", *flags, "-fopenmp", "-ffp-contract=fast", headers_flag()],
         verbose=False,
     )
     gen = torch.Generator().manual_seed(11)
