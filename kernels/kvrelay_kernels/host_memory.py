@@ -25,16 +25,18 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrelay_kernels.env import HUGE_PAGES
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
-HUGE_PAGES_ENV = "KVRELAY_HUGE_PAGES"
+HUGE_PAGES_ENV = HUGE_PAGES.name
 ALIGN = 64  # each gathered tensor starts on a cache line (and any dtype's boundary)
 
 
 def huge_pages_wanted() -> bool:
     """Whether to advise huge pages: on Linux, unless KVRELAY_HUGE_PAGES is 0/false/off."""
-    setting = os.environ.get(HUGE_PAGES_ENV, "1").strip().lower()
+    setting = HUGE_PAGES.get().strip().lower()
     return sys.platform == "linux" and setting not in ("0", "false", "off", "no")
 
 

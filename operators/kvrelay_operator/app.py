@@ -10,9 +10,10 @@ expires. Equal priorities would pause every replica, hence random ones.
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
+
+from kvrelay_operator.env import IMAGE, PEERING
 
 
 def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--image",
-        default=os.environ.get("KVRELAY_IMAGE", ""),
+        default=IMAGE.get(),
         help="image of the pods when a service names none (default $KVRELAY_IMAGE)",
     )
     parser.add_argument(
@@ -61,7 +62,7 @@ def _add_coordination_arguments(parser: argparse.ArgumentParser) -> None:
     """How the replicas share the work (kopf peering) and how often they act."""
     parser.add_argument(
         "--peering",
-        default=os.environ.get("KVRELAY_PEERING", "kvrelay"),
+        default=PEERING.get(),
         metavar="NAME",
         help="kopf peering object shared by the operator's replicas: only one acts "
         "(default $KVRELAY_PEERING or kvrelay; the chart creates it)",

@@ -8,6 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrelay_operator.env import (
+    CACHE_DIR_ENV,
+    COMPONENT_ENV,
+    GENERATION_ENV,
+    KV_HOST_ENV,
+    KV_SECRET_FILE_ENV,
+    NODE_NAME_ENV,
+    POD_NAME_ENV,
+    SERVICE_ENV,
+)
 from kvrelay_operator.names import (
     CACHE_DIR,
     KV_SECRET_KEY,
@@ -21,8 +31,6 @@ Obj = dict[str, Any]
 
 # The image's unprivileged user (see the Dockerfile); fsGroup lets it write the cache volume.
 RUN_AS_USER = 1000
-KV_SECRET_FILE_ENV = "KVRELAY_KV_SECRET_FILE"  # kvrelay.transfer.auth reads it
-GENERATION_ENV = "KVRELAY_GENERATION"
 
 
 def model_arg(spec: ServiceSpec) -> str:
@@ -91,9 +99,9 @@ def _field_env(name: str, path: str) -> Obj:
 
 def base_env(spec: ServiceSpec, component: str, revision: str) -> list[Obj]:
     return [
-        {"name": "KVRELAY_CACHE_DIR", "value": CACHE_DIR},
-        {"name": "KVRELAY_COMPONENT", "value": component},
-        {"name": "KVRELAY_SERVICE", "value": spec.name},
+        {"name": CACHE_DIR_ENV, "value": CACHE_DIR},
+        {"name": COMPONENT_ENV, "value": component},
+        {"name": SERVICE_ENV, "value": spec.name},
         {"name": GENERATION_ENV, "value": revision},
         # Nothing is fetched from a model hub at run time (air-gapped clusters included).
         {"name": "HF_HUB_OFFLINE", "value": "1"},
@@ -115,9 +123,9 @@ def worker_env(spec: ServiceSpec) -> list[Obj]:
     pods cannot reach) and hand UCX its settings.
     """
     env = [
-        _field_env("KVRELAY_POD_NAME", "metadata.name"),
-        _field_env("KVRELAY_NODE_NAME", "spec.nodeName"),
-        _field_env("KVRELAY_KV_HOST", "status.podIP"),
+        _field_env(POD_NAME_ENV, "metadata.name"),
+        _field_env(NODE_NAME_ENV, "spec.nodeName"),
+        _field_env(KV_HOST_ENV, "status.podIP"),
         *kv_env(spec),
         # Ray starts its workers at nice 15; the engines are the pod's workload (see
         # kvrelay/worker/priority.py).
@@ -159,7 +167,7 @@ def init_containers(spec: ServiceSpec, resources: Obj) -> list[Obj]:
             "image": spec.image,
             "imagePullPolicy": spec.image_pull_policy,
             "command": ["kvrelay", "model", "pull-default"],
-            "env": [{"name": "KVRELAY_CACHE_DIR", "value": CACHE_DIR}],
+            "env": [{"name": CACHE_DIR_ENV, "value": CACHE_DIR}],
             "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
             "resources": resources,
             "securityContext": container_security(),

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvrelay_operator import podparts
+from kvrelay_operator.env import ENGINE_ARGS_ENV
 from kvrelay_operator.names import (
     RAY_CLIENT_PORT,
     RAY_GCS_PORT,
@@ -102,7 +103,7 @@ def _worker_pod_spec(spec: ServiceSpec, pool: PoolSpec, revision: str) -> Obj:
     resources = podparts.resources(pool.placement, dict(spec.kv.rdma_resources))
     env = podparts.base_env(spec, pool.name, revision) + podparts.worker_env(spec)
     # Read by the engine actors this pod hosts (Ray workers inherit the raylet's env).
-    env.append({"name": "KVRELAY_ENGINE_ARGS", "value": " ".join(pool.engine_args)})
+    env.append({"name": ENGINE_ARGS_ENV, "value": " ".join(pool.engine_args)})
     container = _ray_container(spec, "ray-worker", resources, env, kv=True)
     pod_spec = podparts.place(
         {

@@ -7,6 +7,7 @@ Ray cluster through KubeRay's head Service and manages the worker actors itself.
 from __future__ import annotations
 
 from kvrelay_operator import podparts
+from kvrelay_operator.env import API_KEY_ENV
 from kvrelay_operator.names import (
     GRPC_PORT,
     HTTP_PORT,
@@ -19,8 +20,6 @@ from kvrelay_operator.names import (
 )
 from kvrelay_operator.podparts import Obj
 from kvrelay_operator.spec import ServiceSpec
-
-API_KEY_ENV = "KVRELAY_API_KEY"
 
 
 def router_command(spec: ServiceSpec, revision: str) -> list[str]:

@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Any
 
+from kvrelay.common.env import API_KEY
 from kvrelay.config import RouterConfig
 from kvrelay.engine.args import EngineArgs
 from kvrelay.worker.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_ray_cluster
@@ -45,7 +46,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--api-key-env",
-        default="KVRELAY_API_KEY",
+        default=API_KEY.name,
         help="environment variable holding the API key clients must send; unset or empty "
         "means no key (default KVRELAY_API_KEY)",
     )

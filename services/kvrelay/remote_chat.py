@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from kvrelay.common.env import API_KEY
 from kvrelay.common.sampling_params import SamplingParams
 
 
@@ -48,7 +48,7 @@ class RemoteChat:
         does not trust, or that asks for a client certificate; None: the defaults."""
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.params = params
-        self.api_key = api_key or os.environ.get("KVRELAY_API_KEY")
+        self.api_key = api_key or API_KEY.get() or None
         self.ssl_context = ssl_context
 
     def _body(self, history: list[dict[str, str]]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from kvrelay.client.retry import Deadline, RetryHook, RetryPolicy
+from kvrelay.common.env import API_KEY
 
 __all__ = [
     "API_KEY_ENV",
@@ -17,7 +18,7 @@ __all__ = [
     "tls_credentials",
 ]
 
-API_KEY_ENV = "KVRELAY_API_KEY"
+API_KEY_ENV = API_KEY.name
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
@@ -25,7 +26,7 @@ def resolve_api_key(api_key: str | None) -> str | None:
     """The explicit key, else `$KVRELAY_API_KEY`, else None (no authorization metadata)."""
     if api_key is not None:
         return api_key or None
-    return os.environ.get(API_KEY_ENV) or None
+    return API_KEY.get() or None
 
 
 def tls_credentials(

@@ -5,10 +5,11 @@ Resolution only; nothing here allocates or moves tensors.
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
+
+from kvrelay.common.env import CPU_AUTO_DTYPE
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N", "meta")
 _DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
@@ -40,7 +41,7 @@ def resolve_device(name: str) -> str:
 
 # What `--dtype auto` means on a CPU, when set (float32 or bfloat16): the test suite pins
 # float32 so its token-exact checks do not depend on the machine it runs on.
-CPU_AUTO_DTYPE_ENV = "KVRELAY_CPU_AUTO_DTYPE"
+CPU_AUTO_DTYPE_ENV = CPU_AUTO_DTYPE.name
 _CPU_AUTO_DTYPES = ("float32", "bfloat16")
 
 
@@ -64,7 +65,7 @@ def resolve_dtype(dtype: str, device: str, native_cpu_bf16: bool | None = None) 
         return "bfloat16"
     if device != "cpu":  # meta: shapes only
         return "float32"
-    override = os.environ.get(CPU_AUTO_DTYPE_ENV)
+    override = CPU_AUTO_DTYPE.get()
     if override:
         if override not in _CPU_AUTO_DTYPES:
             raise ValueError(

@@ -14,6 +14,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from kvrelay.common.env import CACHE_DIR
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -40,7 +42,7 @@ class DefaultModelError(RuntimeError):
 
 def cache_dir() -> Path:
     """kvrelay's cache: `$KVRELAY_CACHE_DIR`, else `~/.cache/kvrelay`."""
-    env = os.environ.get("KVRELAY_CACHE_DIR")
+    env = CACHE_DIR.get()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvrelay"
 
 

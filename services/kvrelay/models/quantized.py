@@ -31,7 +31,6 @@ activations to int8 per 32 values (llama.cpp's scheme) and runs integer dot prod
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.common.env import CPU_QUANT_KERNEL
 from kvrelay.models.cpu_features import cpu_has_native_bf16
 from kvrelay.models.gguf_blocks import (
     QUANT_BLOCK,
@@ -61,7 +61,7 @@ _Q8_0_OFFSET = 128  # int8 code + 128 = unsigned 0..255, split into two nibbles
 
 # One int4 plane: `[out, in]` int32 codes in 0..15, and `[out, in / 32]` fp32 scales, zeros.
 Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-QUANT_KERNEL_ENV = "KVRELAY_CPU_QUANT_KERNEL"  # "auto" (ours where it builds) or "torch"
+QUANT_KERNEL_ENV = CPU_QUANT_KERNEL.name  # "auto" (ours where it builds) or "torch"
 # From this many rows on, the few-row kernels' multiply-adds (torch's int4, the Q8_0 block
 # loop) cost more than dequantizing the layer and running oneDNN's dense matmul
 # (`benchmarks/quantized_decode.py --layers`: at 16 rows about even, at 64 rows 2-3x apart).
@@ -72,7 +72,7 @@ _PANEL_ROWS = 16  # output rows per panel of the int8 kernel
 
 def block_kernel() -> ModuleType | None:
     """The CPU block kernel, unless `KVRELAY_CPU_QUANT_KERNEL=torch` or it cannot be built."""
-    choice = os.environ.get(QUANT_KERNEL_ENV, "auto")
+    choice = CPU_QUANT_KERNEL.get()
     if choice not in ("auto", "torch"):
         raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: expected 'auto' or 'torch'")
     return load_block_quant_ops() if choice == "auto" else None

@@ -12,16 +12,16 @@ its token-exact checks do not depend on a timing).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 
+from kvrelay.common.env import CPU_SINGLE_ROW
 from kvrelay.models.layers import PackedLinear, linear
 
-SINGLE_ROW_ENV = "KVRELAY_CPU_SINGLE_ROW"
+SINGLE_ROW_ENV = CPU_SINGLE_ROW.name
 _CHOICES = ("auto", "packed", "dense")
 _REPEATS = 3  # timed calls per path, alternating, after one warm-up each
 
@@ -32,7 +32,7 @@ def single_row_choice() -> str:
     Raises:
         ValueError: another value.
     """
-    choice = os.environ.get(SINGLE_ROW_ENV, "auto") or "auto"
+    choice = CPU_SINGLE_ROW.get() or CPU_SINGLE_ROW.default
     if choice not in _CHOICES:
         raise ValueError(f"{SINGLE_ROW_ENV}={choice!r}: use one of {', '.join(_CHOICES)}")
     return choice

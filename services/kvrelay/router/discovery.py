@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import uuid
 from collections import Counter
@@ -24,7 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.common.messages import POD_NAME_ENV, Role
+from kvrelay.common.env import POD_NAME
+from kvrelay.common.messages import Role
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ NAMESPACE = "kvrelay"
 def worker_name(role: str, environ: Mapping[str, str] | None = None) -> str:
     """The name of a worker `kvrelay worker` starts on this node: per pod on Kubernetes
     ($KVRELAY_POD_NAME), else unique."""
-    pod = (os.environ if environ is None else environ).get(POD_NAME_ENV, "").strip()
+    pod = POD_NAME.get(environ).strip()
     return f"kvrelay-{role}-{_safe(pod) if pod else uuid.uuid4().hex[:8]}"
 
 

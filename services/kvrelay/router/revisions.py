@@ -11,18 +11,18 @@ revision of its own (a laptop), any.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterable
 
-from kvrelay.common.messages import GENERATION_ENV, Role
+from kvrelay.common.env import GENERATION
+from kvrelay.common.messages import Role
 
 DECODE_CAPABLE = (Role.DECODE, Role.BOTH)
 
 
 def own_revision() -> str:
     """This process's revision ("" when unset: any revision will do)."""
-    return os.environ.get(GENERATION_ENV, "").strip()
+    return GENERATION.get().strip()
 
 
 def pick_revision(serving: Iterable[tuple[str, Role]], own: str) -> str | None:

@@ -17,8 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KV_SECRET_ENV = "KVRELAY_KV_SECRET"  # the secret itself (e.g. from a Kubernetes Secret)
-KV_SECRET_FILE_ENV = "KVRELAY_KV_SECRET_FILE"  # a file holding it (a mounted Secret volume)
+from kvrelay.common.env import KV_SECRET, KV_SECRET_FILE
+
+KV_SECRET_ENV = KV_SECRET.name  # the secret itself (e.g. from a Kubernetes Secret)
+KV_SECRET_FILE_ENV = KV_SECRET_FILE.name  # a file holding it (a mounted Secret volume)
 MIN_SECRET_BYTES = 32  # 256 bits: as strong as the HMAC-SHA256 built on it
 
 # The one answer an unauthorized caller gets, whatever was wrong (no credential, a wrong one,
@@ -74,10 +76,10 @@ class KVSecret:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KVSecret | None:
         """$KVRELAY_KV_SECRET, else the file named by $KVRELAY_KV_SECRET_FILE, else None."""
         env = os.environ if environ is None else environ
-        text = env.get(KV_SECRET_ENV, "")
+        text = KV_SECRET.get(env)
         if text:
             return cls(text.encode())
-        path = env.get(KV_SECRET_FILE_ENV, "")
+        path = KV_SECRET_FILE.get(env)
         return cls.from_file(path) if path else None
 
     def pull_proof(

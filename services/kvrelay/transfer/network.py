@@ -18,12 +18,13 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvrelay.common.env import KV_ADVERTISE_HOST, KV_HOST
 from kvrelay.transfer.tls import KVTLS
 
 logger = logging.getLogger(__name__)
 
-KV_HOST_ENV = "KVRELAY_KV_HOST"  # the address the KV servers bind (a pod: its IP)
-KV_ADVERTISE_HOST_ENV = "KVRELAY_KV_ADVERTISE_HOST"  # what peers dial, if not KV_HOST
+KV_HOST_ENV = KV_HOST.name  # the address the KV servers bind (a pod: its IP)
+KV_ADVERTISE_HOST_ENV = KV_ADVERTISE_HOST.name  # what peers dial, if not KV_HOST
 UCX_NET_DEVICES_ENV = "UCX_NET_DEVICES"  # UCX's own setting; when set, it is kept as is
 LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -71,8 +72,8 @@ class KVNetwork:
             ValueError: a wildcard bind without an advertised address.
         """
         env = os.environ if environ is None else environ
-        host = env.get(KV_HOST_ENV, "").strip() or LOOPBACK
-        advertise = env.get(KV_ADVERTISE_HOST_ENV, "").strip() or host
+        host = KV_HOST.get(env).strip() or LOOPBACK
+        advertise = KV_ADVERTISE_HOST.get(env).strip() or host
         devices = env.get(UCX_NET_DEVICES_ENV, "").strip() or interface_of(host)
         if devices is None:
             logger.warning(

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import grpc
 
-KV_TLS_CERT_ENV = "KVRELAY_KV_TLS_CERT"  # this worker's certificate (chain), PEM
-KV_TLS_KEY_ENV = "KVRELAY_KV_TLS_KEY"  # its private key, PEM
-KV_TLS_CA_ENV = "KVRELAY_KV_TLS_CA"  # the CA that signs every worker's certificate, PEM
+from kvrelay.common.env import KV_TLS_CA, KV_TLS_CERT, KV_TLS_KEY, KV_TLS_SERVER_NAME
+
+KV_TLS_CERT_ENV = KV_TLS_CERT.name  # this worker's certificate (chain), PEM
+KV_TLS_KEY_ENV = KV_TLS_KEY.name  # its private key, PEM
+KV_TLS_CA_ENV = KV_TLS_CA.name  # the CA that signs every worker's certificate, PEM
 # The name a puller checks in the server's certificate, when certificates are not issued for
 # the addresses peers dial (pod IPs): e.g. one certificate for "kvrelay-kv" shared by the pool.
-KV_TLS_SERVER_NAME_ENV = "KVRELAY_KV_TLS_SERVER_NAME"
+KV_TLS_SERVER_NAME_ENV = KV_TLS_SERVER_NAME.name
 _FILES = (KV_TLS_CERT_ENV, KV_TLS_KEY_ENV, KV_TLS_CA_ENV)
 
 
@@ -71,8 +73,8 @@ class KVTLS:
             KVTLSError: some but not all of the three are set, or a file cannot be read.
         """
         env = os.environ if environ is None else environ
-        paths = {name: env.get(name, "").strip() for name in _FILES}
-        server_name = env.get(KV_TLS_SERVER_NAME_ENV, "").strip() or None
+        paths = {var.name: var.get(env).strip() for var in (KV_TLS_CERT, KV_TLS_KEY, KV_TLS_CA)}
+        server_name = KV_TLS_SERVER_NAME.get(env).strip() or None
         missing = [name for name, path in paths.items() if not path]
         if len(missing) == len(_FILES):
             if server_name is not None:
