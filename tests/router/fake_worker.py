@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvrelay.common.messages import (
     DrainState,
+    EngineRequest,
     EngineStats,
     KVHandle,
     OutputDelta,
@@ -32,7 +33,7 @@ from kvrelay.common.messages import (
 from kvrelay.worker.channel import ChannelEndpoint
 
 if TYPE_CHECKING:
-    from kvrelay.common.sampling_params import SamplingParams
+    pass
 
 VOCAB = 50000
 BLOCK_SIZE = 4
@@ -183,17 +184,14 @@ class FakeWorker(ChannelEndpoint):
         await super().start(*args)
 
     async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        decode_engine_id: str | None = None,
+        self, request: EngineRequest, decode_engine_id: str | None = None
     ) -> OutputDelta:
+        request_id, params = request.request_id, request.params
         self.calls.append(("prefill", request_id))
         self.bound_to.append(decode_engine_id)
         if self.role is not Role.PREFILL:
             raise RuntimeError(f"a {self.role} worker does not prefill for others")
-        prompt = list(prompt_token_ids)
+        prompt = list(request.prompt_token_ids)
         live = self._start(request_id, prompt)
         try:
             if await self._wait(live, self.faults.prefill_s):
@@ -217,20 +215,15 @@ class FakeWorker(ChannelEndpoint):
         finally:
             self._end(request_id, live)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[OutputDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
+        request_id, params, kv_handle = request.request_id, request.params, request.kv_handle
+        resume_output_token_ids = request.resume_output_token_ids
         self.calls.append(("generate", request_id))
         if resume_output_token_ids:
             self.resumed.append((request_id, tuple(resume_output_token_ids)))
         if self.role is Role.PREFILL or (kv_handle is not None and self.role is not Role.DECODE):
             raise RuntimeError(f"a {self.role} worker cannot run this request")
-        prompt = list(prompt_token_ids)
+        prompt = list(request.prompt_token_ids)
         live = self._start(request_id, prompt)
         try:
             limit = params.max_tokens or self.max_model_len - len(prompt)

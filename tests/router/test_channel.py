@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import ray
 
-from kvrelay.common.messages import ChannelItem
+from kvrelay.common.messages import ChannelItem, EngineRequest
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
 from kvrelay.router.channel import ChannelClosedError, Channels, Inbox, WorkerChannel
@@ -33,7 +33,9 @@ def _fake(**faults: Any) -> Any:
 async def _start(channel: WorkerChannel, request_id: str, prompt: list[int], n: int) -> Inbox:
     tag, inbox = channel.open()
     params = SamplingParams(max_tokens=n)
-    await channel.actor.start.remote(channel.channel_id, tag, request_id, prompt, params)
+    await channel.actor.start.remote(
+        channel.channel_id, tag, EngineRequest(request_id, prompt, params)
+    )
     return inbox
 
 
@@ -137,7 +139,7 @@ async def test_the_same_request_id_twice_on_a_channel_never_mixes_the_runs() -> 
     channel = Channels().of("w", actor)
     tag, first = channel.open()
     params = SamplingParams(max_tokens=500)
-    await actor.start.remote(channel.channel_id, tag, "same", [5, 6], params)
+    await actor.start.remote(channel.channel_id, tag, EngineRequest("same", [5, 6], params))
     assert not isinstance(await asyncio.wait_for(first.get(), WAIT_S), BaseException)
     channel.close(tag)
     actor.abort.remote("same")

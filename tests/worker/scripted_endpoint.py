@@ -4,10 +4,9 @@ output-channel and output-stream tests' worker."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
-from kvrelay.common.messages import KVHandle, OutputDelta, SampleDelta
-from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.messages import EngineRequest, OutputDelta, SampleDelta
 from kvrelay.worker.channel import ChannelEndpoint
 
 
@@ -21,14 +20,10 @@ class ScriptedEndpoint(ChannelEndpoint):
         self.started: list[str] = []
         self.running: set[str] = set()
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[OutputDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
+        request_id, params = request.request_id, request.params
+        prompt_token_ids = request.prompt_token_ids
+        resume_output_token_ids = request.resume_output_token_ids
         self.started.append(request_id)
         self.running.add(request_id)
         try:

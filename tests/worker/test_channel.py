@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvrelay.common.messages import ChannelItem, OutputDelta, RequestFailedError, SampleDelta
+from kvrelay.common.messages import (
+    ChannelItem,
+    EngineRequest,
+    OutputDelta,
+    RequestFailedError,
+    SampleDelta,
+)
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.common.stream_wire import read_batch
 from kvrelay.router.channel import connect
@@ -135,8 +141,9 @@ async def test_endpoint_routes_each_routers_requests_to_its_own_channel() -> Non
     params = SamplingParams(max_tokens=4)
     router_a, router_b = "a" * 32, "b" * 32
     # Two routers, each with its channel; a start may come before its channel is opened.
-    await worker.start(router_a, 0, "a0", [1, 2], params)
-    await worker.start(router_b, 0, "b0", [5], params, None, [9, 9])  # a migrated stream
+    await worker.start(router_a, 0, EngineRequest("a0", [1, 2], params))
+    migrated = EngineRequest("b0", [5], params, resume_output_token_ids=[9, 9])
+    await worker.start(router_b, 0, migrated)
     seen: dict[str, list[ChannelItem]] = {}
 
     async def listen(channel_id: str, want: int) -> None:

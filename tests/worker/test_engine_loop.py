@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.common.messages import RequestFailedError
+from kvrelay.common.messages import EngineRequest, RequestFailedError
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.outputs import RequestOutput
@@ -37,7 +37,7 @@ def test_colocated_worker_streams_the_engine_output(
         """The sample's tokens so far after each delta."""
         tokens: list[int] = []
         seen = []
-        async for delta in worker.generate(rid, prompts[rid], greedy(6)):
+        async for delta in worker.generate(EngineRequest(rid, prompts[rid], greedy(6))):
             tokens.extend(delta.samples[0].token_ids)
             seen.append(list(tokens))
         return seen
@@ -67,7 +67,7 @@ def test_abort_mid_stream_frees_the_blocks(tiny_llama_dir: Path) -> None:
 
     async def main() -> None:
         num_tokens = 0
-        async for delta in worker.generate("a", list(range(5, 30)), greedy(200)):
+        async for delta in worker.generate(EngineRequest("a", list(range(5, 30)), greedy(200))):
             num_tokens += len(delta.samples[0].token_ids)
             if num_tokens == 3:
                 break  # leaving the stream aborts the request
@@ -113,7 +113,9 @@ def test_fail_policy_output_reaches_the_caller(make_engine: EngineFactory, failu
     prompt = PROMPT if failure == "pull" else [*PROMPT[:-1], PROMPT[-1] + 1]
 
     async def collect() -> list[RequestOutput]:
-        return [output async for output in loop.outputs("r", prompt, greedy(4), handle)]
+        return [
+            output async for output in loop.outputs(EngineRequest("r", prompt, greedy(4), handle))
+        ]
 
     try:
         outputs = asyncio.run(asyncio.wait_for(collect(), timeout=30))
@@ -149,7 +151,7 @@ def test_a_request_failed_alone_raises_in_its_stream_only(
     loop = EngineLoop(engine)
 
     async def collect(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        final = [o async for o in loop.outputs(rid, prompt, params)][-1]
+        final = [o async for o in loop.outputs(EngineRequest(rid, prompt, params))][-1]
         return final.outputs[0].token_ids
 
     async def main() -> tuple[list[int] | BaseException, ...]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import ray
 
-from kvrelay.common.messages import EngineStats
+from kvrelay.common.messages import EngineRequest, EngineStats
 from kvrelay.config import RouterConfig
 from kvrelay.router.local import complete, local_router
 from kvrelay.worker.pools import Pools
@@ -68,16 +68,16 @@ def test_lease_expired_and_blocks_reused_before_the_pull(
 ) -> None:
     pools = short_lease
     prefill, decode = pools.prefill_workers[0], pools.decode_workers[0]
-    first = ray.get(prefill.prefill.remote("x", PROMPT, greedy(6)))
+    first = ray.get(prefill.prefill.remote(EngineRequest("x", PROMPT, greedy(6))))
     assert first.kv_handle is not None
     wait_for_expiry(prefill, 1)
     # Another prompt's prefill now overwrites blocks the expired handle still names.
-    other = ray.get(prefill.prefill.remote("y", OTHER, greedy(6)))
+    other = ray.get(prefill.prefill.remote(EngineRequest("y", OTHER, greedy(6))))
     assert other.kv_handle is not None
     assert set(other.kv_handle.block_ids) & set(first.kv_handle.block_ids)
     assert ray.get(prefill.release_kv.remote("y"))
     # Trusting the handle decodes from the other prompt's KV: the output would differ.
-    stale, _ = streamed_tokens(decode, "stale", PROMPT, greedy(6), first.kv_handle)
+    stale, _ = streamed_tokens(decode, EngineRequest("stale", PROMPT, greedy(6), first.kv_handle))
     expected = colocated(make_engine, {"x": PROMPT}, 6)["x"]
     if stats(decode).kv_pull_fallbacks == 0:  # the pull went through: it read OTHER's KV
         assert stale != expected
@@ -92,7 +92,7 @@ def test_lease_expired_and_blocks_reused_before_the_pull(
             @staticmethod
             def remote(rid: str) -> Any:
                 wait_for_expiry(prefill, 2)
-                ray.get(prefill.prefill.remote("z", OTHER, greedy(6)))
+                ray.get(prefill.prefill.remote(EngineRequest("z", OTHER, greedy(6))))
                 ray.get(orig.remote("z"))
                 return orig.remote(rid)
 
@@ -144,12 +144,14 @@ def test_prefill_worker_killed_before_the_pull(
     pools = start(tiny_llama_dir, kv_transfer_failure=policy)
     try:
         prefill, decode = pools.prefill_workers[0], pools.decode_workers[0]
-        first = ray.get(prefill.prefill.remote("k", PROMPT, greedy(6)))
+        first = ray.get(prefill.prefill.remote(EngineRequest("k", PROMPT, greedy(6))))
         assert first.kv_handle is not None
         pid = worker_pid(prefill)
         ray.kill(prefill, no_restart=True)
         wait_until_dead(prefill, pid)
-        tokens, last = streamed_tokens(decode, "k", PROMPT, greedy(6), first.kv_handle)
+        tokens, last = streamed_tokens(
+            decode, EngineRequest("k", PROMPT, greedy(6), first.kv_handle)
+        )
         after = stats(decode)
         [sample] = last.samples
         if policy == "recompute":

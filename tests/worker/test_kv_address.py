@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.common.messages import DrainState, KVHandle, Role
+from kvrelay.common.messages import DrainState, EngineRequest, KVHandle, Role
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
 from kvrelay.worker.actor import EngineWorker, Placement
@@ -58,11 +58,13 @@ def pair(tiny_llama_dir: Path) -> Iterator[tuple[EngineWorker, EngineWorker]]:
 async def relayed(
     prefill: EngineWorker, decode: EngineWorker, request_id: str, params: SamplingParams
 ) -> list[int]:
-    first = await prefill.prefill(request_id, PROMPT, params, decode.engine.engine_id)
+    first = await prefill.prefill(
+        EngineRequest(request_id, PROMPT, params), decode.engine.engine_id
+    )
     handle = first.kv_handle
     assert isinstance(handle, KVHandle)
     tokens: list[int] = []
-    async for delta in decode.generate(request_id, PROMPT, params, handle):
+    async for delta in decode.generate(EngineRequest(request_id, PROMPT, params, handle)):
         for sample in delta.samples:
             tokens[sample.start :] = sample.token_ids
     await prefill.release_kv(request_id)

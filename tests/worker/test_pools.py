@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import ray
 
-from kvrelay.common.messages import OutputDelta
+from kvrelay.common.messages import EngineRequest, OutputDelta
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
 from kvrelay.router.local import complete, local_router
@@ -54,11 +54,11 @@ async def relay_tokens(
     return [out.choices[0].token_ids for out in outs]
 
 
-def streamed_tokens(worker: Any, *args: Any) -> tuple[list[int], OutputDelta]:
+def streamed_tokens(worker: Any, request: EngineRequest) -> tuple[list[int], OutputDelta]:
     """A worker's `generate` stream called directly: all its tokens, and its last delta."""
     tokens: list[int] = []
     last = None
-    for ref in worker.generate.options(num_returns="streaming").remote(*args):
+    for ref in worker.generate.options(num_returns="streaming").remote(request):
         last = ray.get(ref)
         for sample in last.samples:
             tokens[sample.start :] = sample.token_ids
@@ -118,12 +118,12 @@ def test_each_worker_froze_its_start_up_objects(pools: Pools) -> None:
 def test_failed_pull_recomputes_the_prompt(pools: Pools, make_engine: EngineFactory) -> None:
     prefill, decode = pools.prefill_workers[0], pools.decode_workers[0]
     prompt = PROMPTS["a"]
-    first = ray.get(prefill.prefill.remote("gone", prompt, greedy(6)))
+    first = ray.get(prefill.prefill.remote(EngineRequest("gone", prompt, greedy(6))))
     assert first.kv_handle is not None
     # A handle from a prefill worker the decode worker never met: the pull fails.
     stale = dataclasses.replace(first.kv_handle, engine_id="restarted-elsewhere")
     before = ray.get(decode.stats.remote()).kv_pull_fallbacks
-    tokens, _ = streamed_tokens(decode, "gone", prompt, greedy(6), stale)
+    tokens, _ = streamed_tokens(decode, EngineRequest("gone", prompt, greedy(6), stale))
     assert ray.get(prefill.release_kv.remote("gone"))
     assert tokens == colocated(make_engine, {"gone": prompt}, 6)["gone"]
     assert ray.get(decode.stats.remote()).kv_pull_fallbacks == before + 1
@@ -146,9 +146,9 @@ def test_a_handle_bound_to_another_decode_engine_is_refused(
     grpc_only = ray.get(prefill.kv_metadata.remote()).backend == "grpc"
     for rid, bound_to in (("other", "another-decode-engine"), ("mine", decode_id)):
         prompt, expected = prompts[rid], colocated(make_engine, {rid: prompts[rid]}, 4)[rid]
-        first = ray.get(prefill.prefill.remote(rid, prompt, greedy(4), bound_to))
+        first = ray.get(prefill.prefill.remote(EngineRequest(rid, prompt, greedy(4)), bound_to))
         before = ray.get(decode.stats.remote())
-        tokens, _ = streamed_tokens(decode, rid, prompt, greedy(4), first.kv_handle)
+        tokens, _ = streamed_tokens(decode, EngineRequest(rid, prompt, greedy(4), first.kv_handle))
         assert ray.get(prefill.release_kv.remote(rid))
         assert tokens == expected
         after = ray.get(decode.stats.remote())

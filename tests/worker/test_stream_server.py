@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvrelay.common.messages import ChannelItem, KVHandle, OutputDelta, SampleDelta
+from kvrelay.common.messages import ChannelItem, EngineRequest, KVHandle, OutputDelta, SampleDelta
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.common.stream_wire import (
     HELLO_BYTES,
@@ -40,7 +40,9 @@ WAIT_S = 10.0
 
 
 async def _start(worker: ScriptedEndpoint, request_id: str, tokens: int = 10_000) -> None:
-    await worker.start(CHANNEL, 0, request_id, [1, 2], SamplingParams(max_tokens=tokens))
+    await worker.start(
+        CHANNEL, 0, EngineRequest(request_id, [1, 2], SamplingParams(max_tokens=tokens))
+    )
 
 
 async def _raw(address: ChannelAddress, data: bytes) -> bytes:

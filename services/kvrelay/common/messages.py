@@ -1,5 +1,5 @@
-"""The messages that cross processes: worker roles, KV handles, peer metadata, engine stats,
-worker descriptions and output deltas.
+"""The messages that cross processes: worker roles, the request a worker's engine runs, KV
+handles, peer metadata, engine stats, worker descriptions and output deltas.
 
 Plain frozen values with no torch import, so a light process (the router, the metrics, the
 operator) can read them without loading the engine. Ray moves them between processes; the KV
@@ -9,7 +9,10 @@ transfer's wire format is protobuf (proto/kvrelay/v1/kv_transfer.proto).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvrelay.common.sampling_params import SamplingParams
 
 # The per-pod environment the operator sets on Ray worker pods (their actors inherit it) and
 # on router pods: the contract between kvrelay_operator and the router and workers.
@@ -72,6 +75,47 @@ class KVHandle:
     # The lease's unguessable id: with the deployment's KV secret, the one thing that lets a
     # decode engine read these blocks, once, before the lease expires. Empty: not pullable.
     handle_id: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as an engine runs it, built once by its sender (the router's relay, the
+    offline LLM) and passed whole: relay -> worker actor (`prefill`, `start`) -> engine loop
+    -> `Engine.add`. A new per-request field is added here and read where it is used.
+
+    `kv_handle`: the prompt's KV waits at that prefill engine (a decode worker pulls it).
+    `resume_output_token_ids` (n = 1 only): the sequence another engine started goes on after
+    these output tokens. `prompt`: the prompt's text, when the caller has it (outputs carry
+    it). `priority`: lower runs first, under the priority scheduling policy.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    kv_handle: KVHandle | None = None
+    resume_output_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    priority: int = 0
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
+        resume_output_token_ids: Sequence[int] = (),
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Token ids are kept as tuples (a list given is copied, a tuple is not)."""
+        set_field = object.__setattr__
+        set_field(self, "request_id", request_id)
+        set_field(self, "prompt_token_ids", tuple(prompt_token_ids))
+        set_field(self, "params", params)
+        set_field(self, "kv_handle", kv_handle)
+        set_field(self, "resume_output_token_ids", tuple(resume_output_token_ids))
+        set_field(self, "prompt", prompt)
+        set_field(self, "priority", priority)
 
 
 @dataclass(frozen=True)

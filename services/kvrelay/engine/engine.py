@@ -1,4 +1,4 @@
-"""The engine core: `add_request`, `abort`, `step() -> outputs` (scheduler -> runner -> sampler).
+"""The engine core: `add`, `abort`, `step() -> outputs` (scheduler -> runner -> sampler).
 A pure library: no Ray, gRPC or Kubernetes imports, and no P/D hand-off logic (handoff.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrelay.common.detokenizer import Tokenizer
-from kvrelay.common.messages import EngineStats, KVHandle, PullPlan, Role
+from kvrelay.common.messages import EngineRequest, EngineStats, KVHandle, PullPlan, Role
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import EngineConfig
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
@@ -67,8 +67,6 @@ class Engine:
         if config.device.startswith("cuda"):
             self._warm_up(kv_tensor)
         self.role = Role(config.role)
-        # Only a prefill engine hands requests off: the others skip the lease check per token.
-        self._hands_off = self.role is Role.PREFILL
         self.handoff = KVHandoff(
             self.kv_cache,
             self.scheduler,
@@ -124,17 +122,16 @@ class Engine:
     def epoch(self) -> int:
         return self.handoff.epoch
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> None:
-        """Queue a request; its `params.n` samples run as separate sequences.
+    def add(self, request: EngineRequest) -> PullPlan | None:
+        """Queue a request, taken whole; its `params.n` samples run as separate sequences.
+
+        With a `kv_handle` (decode role), its prompt was prefilled by another engine: blocks
+        for the prompt are allocated here (prefix-cache hits reused) and the caller pulls the
+        handle's blocks into them by the returned plan, then calls `finish_pull`. The plan is
+        None when no pull is needed or possible (the first token ended it, no KV room now, or
+        a handle that does not match the prompt): the request then recomputes its prompt
+        here, or under kv_transfer_failure="fail" is finished with its final output returned
+        by the next `step`; the caller should just release the prefill lease.
 
         `resume_output_token_ids` (n = 1 only) continues a sequence another engine started:
         those outputs are recomputed with the prompt and count as this request's own (for
@@ -148,11 +145,14 @@ class Engine:
         Raises:
             ValueError: a duplicate id, an empty prompt, a token (or a logit_bias id)
                 outside the vocabulary, a prompt that does not fit the context length or
-                the KV cache, or n > 1 on a prefill engine.
+                the KV cache, n > 1 on a prefill engine, or with a `kv_handle`: n > 1,
+                resume tokens, or a prefill engine.
         """
-        self.handoff.check_params(params, prefilled=False)
-        resumed = self._check_resume(prompt_token_ids, params, resume_output_token_ids)
-        children = self._register(request_id, prompt_token_ids, params, prompt, priority)
+        if request.kv_handle is not None:
+            return self._add_prefilled(request, request.kv_handle)
+        self.handoff.check_params(request.params, prefilled=False)
+        resumed = self._check_resume(request)
+        children = self._register(request)
         if resumed:
             self._resume(children[0], resumed)
         if self.kv_cache.enable_caching:
@@ -160,21 +160,43 @@ class Engine:
         else:
             for child in children:
                 self.scheduler.add(child)
+        return None
 
-    def _check_resume(
-        self, prompt: Sequence[int], params: SamplingParams, outputs: Sequence[int]
-    ) -> list[int]:
-        outputs = [int(t) for t in outputs]
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        resume_output_token_ids: Sequence[int] = (),
+    ) -> None:
+        """`add` of a new request, by its fields (the offline API's and the tests' form)."""
+        self.add(
+            EngineRequest(
+                request_id,
+                prompt_token_ids,
+                params,
+                resume_output_token_ids=resume_output_token_ids,
+                prompt=prompt,
+                priority=priority,
+            )
+        )
+
+    def _check_resume(self, request: EngineRequest) -> list[int]:
+        outputs = [int(t) for t in request.resume_output_token_ids]
         if not outputs:
             return outputs
         vocab = self.config.model_config.vocab_size
+        params = request.params
         if params.n != 1:
             raise ValueError("resume_output_token_ids needs n = 1")
         if any(not 0 <= t < vocab for t in outputs):
             raise ValueError(f"resume_output_token_ids must be in [0, {vocab})")
         if params.max_tokens is not None and len(outputs) >= params.max_tokens:
             raise ValueError("resume_output_token_ids leaves nothing to generate (max_tokens)")
-        if len(prompt) + len(outputs) >= self.max_total_tokens:
+        if len(request.prompt_token_ids) + len(outputs) >= self.max_total_tokens:
             raise ValueError("the prompt and resume_output_token_ids fill the context")
         return outputs
 
@@ -186,20 +208,14 @@ class Engine:
         if request.generator is not None and not request.sampling_params.is_greedy:
             skip_seeded_draws(request.generator, len(outputs))
 
-    def _register(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        prompt: str | None,
-        priority: int,
-    ) -> list[Request]:
+    def _register(self, request: EngineRequest) -> list[Request]:
         """Validate a new request and create its `n` samples (not queued yet)."""
+        request_id, params = request.request_id, request.params
         if request_id in self._parents or self.handoff.has_lease(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.config.model_config.vocab_size
         prompt_ids = validate_prompt(
-            prompt_token_ids,
+            request.prompt_token_ids,
             vocab_size=vocab,
             max_model_len=self.config.max_model_len,
             kv_capacity=self.num_blocks * self.kv_cache.block_size,
@@ -208,13 +224,13 @@ class Engine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         parent = ParentRequest.fan_out(
             request_id,
-            prompt,
+            request.prompt,
             prompt_ids,
             params,
             tokenizer=self.tokenizer,
             max_total_tokens=self.max_total_tokens,
             eos_token_ids=self.config.model_config.eos_token_ids,
-            priority=priority,
+            priority=request.priority,
         )
         self._prompt_tokens += len(prompt_ids)
         self._parents[request_id] = parent
@@ -313,8 +329,10 @@ class Engine:
             status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(request, status)
-        elif self._hands_off and (handle := self.handoff.lease_prompt_kv(request)) is not None:
-            parent.kv_handle = handle  # prefill role: a decode engine goes on from here
+        elif self.role is Role.PREFILL:  # only a prefill engine hands requests off
+            handle = self.handoff.lease_prompt_kv(request)
+            if handle is not None:
+                parent.kv_handle = handle  # a decode engine goes on from here
         return parent
 
     def _emit(self, parent: ParentRequest) -> RequestOutput:
@@ -337,31 +355,27 @@ class Engine:
         prompt: str | None = None,
         priority: int = 0,
     ) -> PullPlan | None:
-        """Decode role: continue a request whose prompt was prefilled by another engine.
-
-        Blocks for the prompt are allocated here (prefix-cache hits reused); the caller pulls
-        `handle`'s blocks into them by the returned plan, then calls `finish_pull`.
-
-        Returns:
-            The pull plan; or None when no pull is needed or possible (the first token ended
-            it, no KV room now, or a handle that does not match the prompt): the request then
-            recomputes its prompt here, or under kv_transfer_failure="fail" is finished with
-            its final output returned by the next `step`; the caller should just release the
-            prefill lease.
-
-        Raises:
-            ValueError: as `add_request`, or `n` > 1, or on a prefill engine.
-        """
-        self.handoff.check_params(params, prefilled=True)
-        [request] = self._register(request_id, prompt_token_ids, params, prompt, priority)
-        parent = self._append_token(
-            request, handle.first_token_id, first_token_logprobs(handle, params)
+        """`add` of a request prefilled at `handle`'s engine, by its fields (the tests' form)."""
+        request = EngineRequest(
+            request_id, prompt_token_ids, params, handle, prompt=prompt, priority=priority
         )
-        if request.generator is not None and not params.is_greedy:
-            skip_seeded_draws(request.generator, 1)  # the prefill engine drew the first token
-        plan = None if request.is_finished else self.handoff.admit_prefilled(request, handle)
-        if request.is_finished:
-            self._finished_outside_step[request_id] = parent
+        return self.add(request)
+
+    def _add_prefilled(self, request: EngineRequest, handle: KVHandle) -> PullPlan | None:
+        """Decode role: `add` of a request whose prompt another engine prefilled."""
+        params = request.params
+        if request.resume_output_token_ids:
+            raise ValueError("a prefilled request cannot resume after output tokens")
+        self.handoff.check_params(params, prefilled=True)
+        [child] = self._register(request)
+        parent = self._append_token(
+            child, handle.first_token_id, first_token_logprobs(handle, params)
+        )
+        if child.generator is not None and not params.is_greedy:
+            skip_seeded_draws(child.generator, 1)  # the prefill engine drew the first token
+        plan = None if child.is_finished else self.handoff.admit_prefilled(child, handle)
+        if child.is_finished:
+            self._finished_outside_step[request.request_id] = parent
         return plan
 
     def finish_pull(self, request_id: str, ok: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,14 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from kvrelay.common.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError, Role
+from kvrelay.common.messages import (
+    ChannelItem,
+    EngineRequest,
+    KVHandle,
+    OutputDelta,
+    RequestFailedError,
+    Role,
+)
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
 from kvrelay.metrics import RouterMetrics
@@ -43,15 +51,37 @@ class WorkerLostError(Exception):
 class SampleRun:
     """One sample of a request on its way: what to run and where its news goes."""
 
-    request_id: str  # the worker-side id: messages.sample_request_id
-    prompt: list[int]
-    params: SamplingParams  # as the worker gets them: n = 1, no stop strings
+    # What the workers run, built once (router.py) and sent whole: its id is the worker-side
+    # one (messages.sample_request_id), its params as the worker gets them (n = 1, no stop
+    # strings); a hop's KV handle or resume tokens are set on a copy (`for_worker`).
+    request: EngineRequest
     state: SampleState
     emit: Callable[[ChoiceDelta], None]
     emitted: bool = False
     num_cached_tokens: int = 0
     decision: Decision | None = None
     times: dict[str, float] = field(default_factory=dict)  # prefill_done, first_decode
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def for_worker(self, kv_handle: KVHandle | None, resume: Sequence[int] = ()) -> EngineRequest:
+        """The request as one worker runs it: after `kv_handle`'s prefill, or after the
+        `resume` tokens a lost worker produced."""
+        if kv_handle is None and not resume:
+            return self.request
+        return dataclasses.replace(
+            self.request, kv_handle=kv_handle, resume_output_token_ids=tuple(resume)
+        )
 
     def take(self, delta: OutputDelta) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
@@ -211,9 +241,7 @@ class Relay:
         worker.in_flight += 1
         done = False
         try:
-            first: OutputDelta = await worker.actor.prefill.remote(
-                run.request_id, run.prompt, run.params, decode_id
-            )
+            first: OutputDelta = await worker.actor.prefill.remote(run.request, decode_id)
             done = True
             return first
         except (RayActorError, ActorUnavailableError) as exc:
@@ -256,7 +284,7 @@ class Relay:
         channel = self.channels.of(worker.worker_id, worker.actor)
         tag, inbox = channel.open()
         start = worker.actor.start.remote(
-            channel.channel_id, tag, run.request_id, run.prompt, run.params, kv_handle, list(resume)
+            channel.channel_id, tag, run.for_worker(kv_handle, resume)
         )
         started = False
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.common.block_hash import hash_token_blocks
-from kvrelay.common.messages import Role, sample_request_id
+from kvrelay.common.messages import EngineRequest, Role, sample_request_id
 from kvrelay.config import DEFAULT_MAX_N, RouterConfig
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.admission import AdmissionController, Ticket
@@ -258,7 +258,8 @@ class Router:
                 request.prompt_token_ids,
                 request.include_stop_str_in_output,
             )
-            runs.append(SampleRun(rid, request.prompt_token_ids, worker_params, state, _no_emit))
+            worker_request = EngineRequest(rid, request.prompt_token_ids, worker_params)
+            runs.append(SampleRun(worker_request, state, _no_emit))
         return runs
 
     def _hashing(self) -> tuple[int, tuple[str, ...]]:

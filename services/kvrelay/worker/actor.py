@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from kvrelay.common.messages import (
@@ -19,6 +19,7 @@ from kvrelay.common.messages import (
     NODE_NAME_ENV,
     POD_NAME_ENV,
     DrainState,
+    EngineRequest,
     EngineStats,
     KVHandle,
     OutputDelta,
@@ -27,7 +28,6 @@ from kvrelay.common.messages import (
     WorkerInfo,
     WorkerStatus,
 )
-from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
@@ -104,18 +104,14 @@ class EngineWorker(ChannelEndpoint):
             freeze_start_up_objects()
 
     async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        decode_engine_id: str | None = None,
+        self, request: EngineRequest, decode_engine_id: str | None = None
     ) -> OutputDelta:
         """Prefill role: returns once the first token is out, as one delta whose `kv_handle`
         says where the prompt's KV waits for a decode worker (no handle when the request
         already finished at its first token). With `decode_engine_id` (the router's pick),
         only that engine may pull it; without, any one of the deployment's engines, once."""
         last: RequestOutput | None = None
-        async for output in self.loop.outputs(request_id, prompt_token_ids, params):
+        async for output in self.loop.outputs(request):
             last = output
         assert last is not None
         delta = DeltaTracker().delta(last)
@@ -124,24 +120,15 @@ class EngineWorker(ChannelEndpoint):
             self.engine.handoff.bind_handle(delta.kv_handle.handle_id, decode_engine_id)
         return delta
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[OutputDelta]:
-        """Each step's new tokens, up to the finished delta; with `kv_handle`, the prompt's KV
-        is pulled from its prefill worker first (recomputed here if the pull fails, or failed,
-        by the engine's kv_transfer_failure). With `resume_output_token_ids`, a sequence that
-        another worker started goes on after those tokens (Engine.add_request); the deltas
-        start after them. Call it with `num_returns="streaming"` through Ray; leaving early
-        aborts the request."""
-        resumed = list(resume_output_token_ids)
-        tracker = DeltaTracker(already_sent=len(resumed))
-        outputs = self.loop.outputs(request_id, prompt_token_ids, params, kv_handle, resumed)
-        async for output in outputs:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
+        """Each step's new tokens, up to the finished delta; with a `kv_handle`, the prompt's
+        KV is pulled from its prefill worker first (recomputed here if the pull fails, or
+        failed, by the engine's kv_transfer_failure). With `resume_output_token_ids`, a
+        sequence that another worker started goes on after those tokens (Engine.add); the
+        deltas start after them. Call it with `num_returns="streaming"` through Ray; leaving
+        early aborts the request."""
+        tracker = DeltaTracker(already_sent=len(request.resume_output_token_ids))
+        async for output in self.loop.outputs(request):
             yield tracker.delta(output)
 
     def describe(self) -> WorkerInfo:

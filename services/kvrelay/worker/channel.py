@@ -15,16 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
 
-from kvrelay.common.messages import ChannelItem, KVHandle, OutputDelta, RequestFailedError
+from kvrelay.common.messages import ChannelItem, EngineRequest, OutputDelta, RequestFailedError
 from kvrelay.common.stream_wire import CHANNEL_ID_BYTES, ChannelAddress, server_tls
 from kvrelay.transfer.network import KVNetwork
 from kvrelay.worker.stream_server import KEY_TTL_S, StreamServer
-
-if TYPE_CHECKING:
-    from kvrelay.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _HEX_DIGITS = frozenset("0123456789abcdef")
@@ -103,14 +99,7 @@ class ChannelEndpoint:
     _streams: StreamServer | None
     _loop: asyncio.AbstractEventLoop
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[OutputDelta]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
         raise NotImplementedError
 
     async def open_channel(self, channel_id: str) -> ChannelAddress:
@@ -175,19 +164,7 @@ class ChannelEndpoint:
         if self._channels.get(channel_id) is channel:
             del self._channels[channel_id]
 
-    async def start(
-        self,
-        channel_id: str,
-        tag: int,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> None:
-        """Start a request whose deltas go out on `channel_id` under `tag` (see `generate`
-        for the arguments); returns once it is queued. Its failure comes on the channel."""
-        stream = self.generate(
-            request_id, prompt_token_ids, params, kv_handle, resume_output_token_ids
-        )
-        self._channel(channel_id).start(tag, stream)
+    async def start(self, channel_id: str, tag: int, request: EngineRequest) -> None:
+        """Start `request`, its deltas sent on `channel_id` under `tag` (see `generate`);
+        returns once it is queued. Its failure comes on the channel."""
+        self._channel(channel_id).start(tag, self.generate(request))

@@ -13,11 +13,10 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from kvrelay.common.messages import KVHandle, PullPlan, RequestFailedError
-from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.messages import EngineRequest, KVHandle, PullPlan, RequestFailedError
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.transfer.base import KVConnector, TransferError
@@ -103,20 +102,13 @@ class EngineLoop:
         self.submit(command)
         return await asyncio.wrap_future(future)
 
-    async def outputs(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        kv_handle: KVHandle | None = None,
-        resume_output_token_ids: Sequence[int] = (),
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request (a prefilled one, pulled from `kv_handle`'s worker, when given; one
-        resumed after `resume_output_token_ids`, when given) and yield its cumulative outputs
-        up to the finished one. Leaving early aborts it."""
+    async def outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Add `request` (`Engine.add`; a prefilled one's KV pulled from its `kv_handle`'s
+        worker) and yield its cumulative outputs up to the finished one. Leaving early aborts
+        it."""
         stream = _Stream(asyncio.get_running_loop())
-        prompt, resumed = list(prompt_token_ids), list(resume_output_token_ids)
-        self.submit(lambda: self._add(request_id, prompt, params, kv_handle, stream, resumed))
+        self.submit(lambda: self._add(request, stream))
+        request_id = request.request_id
         finished = False
         try:
             while True:
@@ -147,30 +139,18 @@ class EngineLoop:
 
     # -- the loop thread's side --
 
-    def _add(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        handle: KVHandle | None,
-        stream: _Stream,
-        resumed: list[int],
-    ) -> None:
-        if request_id in self._streams:
-            stream.put(ValueError(f"request {request_id!r} is already running here"))
+    def _add(self, request: EngineRequest, stream: _Stream) -> None:
+        if request.request_id in self._streams:
+            stream.put(ValueError(f"request {request.request_id!r} is already running here"))
             return
-        plan: PullPlan | None = None
         try:
-            if handle is None:
-                self.engine.add_request(request_id, prompt, params, resume_output_token_ids=resumed)
-            else:
-                plan = self.engine.add_prefilled_request(request_id, prompt, params, handle)
+            plan = self.engine.add(request)
         except Exception as exc:
             stream.put(exc)
             return
-        self._streams[request_id] = stream
-        if handle is not None and plan is not None:
-            self._pulls.submit(self._pull, handle, plan)
+        self._streams[request.request_id] = stream
+        if request.kv_handle is not None and plan is not None:
+            self._pulls.submit(self._pull, request.kv_handle, plan)
 
     def _pull(self, handle: KVHandle, plan: PullPlan) -> None:
         """On a pull thread: fetch the blocks, then let the loop thread finish the pull."""
