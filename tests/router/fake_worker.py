@@ -30,7 +30,8 @@ from kvrelay.common.messages import (
     WorkerInfo,
     WorkerStatus,
 )
-from kvrelay.worker.channel import ChannelEndpoint
+from kvrelay.common.stream_wire import ChannelAddress
+from kvrelay.worker.channel import OutputChannels
 
 if TYPE_CHECKING:
     pass
@@ -78,7 +79,7 @@ class FakeState:
     calls: tuple[tuple[str, str], ...]  # (method, request id) of every request call, in order
     released: tuple[tuple[str, bool], ...]  # (request id, lease held) per release_kv
     forgotten: tuple[str, ...]  # request ids of the handles forget_kv got
-    handles: tuple[str, ...]  # request ids of the KV handles generate got
+    handles: tuple[str, ...]  # request ids of the KV handles started requests had
     pull_failures: int
     peers: tuple[str, ...]  # prefill engine ids add_peer introduced
     resumed: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, tokens it resumed after)
@@ -103,9 +104,9 @@ class _Live:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class FakeWorker(ChannelEndpoint):
-    """A prefill, decode or colocated ("both") fake worker; its output channel (`start` and
-    `channel`) is the real workers' own, over its `generate`."""
+class FakeWorker:
+    """A prefill, decode or colocated ("both") fake worker; its output channels (`open_channel`
+    and `start`) are the real workers' own, over its scripted `_deltas`."""
 
     def __init__(
         self,
@@ -135,6 +136,7 @@ class FakeWorker(ChannelEndpoint):
         self.bound_to: list[str | None] = []  # the decode engine each prefill's handle is for
         self.pull_failures = 0
         self.peers: dict[str, int] = {}
+        self.channels = OutputChannels(self._deltas)
 
     # -- test control --
 
@@ -177,11 +179,14 @@ class FakeWorker(ChannelEndpoint):
 
     # -- requests --
 
-    async def start(self, *args: Any) -> None:
+    async def open_channel(self, channel_id: str) -> ChannelAddress:
+        return await self.channels.open(channel_id)
+
+    async def start(self, channel_id: str, tag: int, request: EngineRequest) -> None:
         """The real channel's `start`, answering after `start_s` (other calls run meanwhile:
         an abort sent then finds no request)."""
         await asyncio.sleep(self.faults.start_s)
-        await super().start(*args)
+        self.channels.start(channel_id, tag, request)
 
     async def prefill(
         self, request: EngineRequest, decode_engine_id: str | None = None
@@ -215,10 +220,10 @@ class FakeWorker(ChannelEndpoint):
         finally:
             self._end(request_id, live)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
+    async def _deltas(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
         request_id, params, kv_handle = request.request_id, request.params, request.kv_handle
         resume_output_token_ids = request.resume_output_token_ids
-        self.calls.append(("generate", request_id))
+        self.calls.append(("start", request_id))
         if resume_output_token_ids:
             self.resumed.append((request_id, tuple(resume_output_token_ids)))
         if self.role is Role.PREFILL or (kv_handle is not None and self.role is not Role.DECODE):

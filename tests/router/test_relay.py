@@ -248,7 +248,7 @@ async def test_lease_lost_before_the_pull_recomputes_on_decode(cluster: Cluster,
     assert ps.released == ((rid, False),)
     assert ds.forgotten == (rid,)
     # D's relayed stream is dropped and its possibly wrong blocks forgotten before it recomputes.
-    assert ds.calls_for(rid) == ["generate", "abort", "forget_kv", "generate"]
+    assert ds.calls_for(rid) == ["start", "abort", "forget_kv", "start"]
 
 
 async def test_lease_lost_with_fail_policy_fails_the_request(cluster: Cluster, rid: str) -> None:
@@ -260,7 +260,7 @@ async def test_lease_lost_with_fail_policy_fails_the_request(cluster: Cluster, r
     assert router.metrics.leases_lost._value.get() == 1
     _, ds = await cluster.assert_whole(p, d)
     assert ds.forgotten == (rid,)
-    assert ds.calls_for(rid) == ["generate", "abort", "forget_kv"]  # dropped, not recomputed
+    assert ds.calls_for(rid) == ["start", "abort", "forget_kv"]  # dropped, not recomputed
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -438,5 +438,5 @@ async def test_client_leaves_while_the_decode_start_is_on_its_way(
     await client.chunks.aclose()  # type: ignore[attr-defined]
     await eventually(lambda: aborted_at(d, rid), "the abort at the decode worker")
     ps, ds = await cluster.assert_whole(p, d)
-    assert ds.calls == (("generate", rid), ("abort", rid))
+    assert ds.calls == (("start", rid), ("abort", rid))
     assert ps.released == ((rid, True),)

@@ -195,8 +195,8 @@ async def test_a_draining_worker_gets_no_new_requests_and_finishes_its_own(
         out = await bounded(complete(router, PROMPT, short, f"new{i}"))
         assert out.choices[0].token_ids == model_tokens(PROMPT, 3)
     staying_state, leaving_state = await state(staying), await state(leaving)
-    assert staying_state.called("generate") == [f"new{i}" for i in range(4)]
-    assert leaving_state.called("generate") == ["long"]  # nothing new
+    assert staying_state.called("start") == [f"new{i}" for i in range(4)]
+    assert leaving_state.called("start") == ["long"]  # nothing new
 
     # The stream in flight at the draining worker goes on to its end.
     assert await bounded(streaming) == model_tokens(PROMPT, 30)
@@ -245,7 +245,7 @@ async def test_prefill_and_decode_pair_within_the_routers_revision(
     new_p_state, new_d_state = await state(new_p), await state(new_d)
     assert new_p_state.called("prefill") == ["n0", "n1", "n2"]
     assert new_p_state.bound_to == ("d-new",) * 3  # each handle bound to its own revision's D
-    assert new_d_state.called("generate") == ["n0", "n1", "n2"]
+    assert new_d_state.called("start") == ["n0", "n1", "n2"]
     assert (await state(old_p)).calls == () and (await state(old_d)).calls == ()
 
     # Its revision's decoder drains away: the old revision serves, paired with itself.

@@ -1,4 +1,4 @@
-"""A worker's channel endpoint (worker/channel.py) over a scripted `generate`, in-process: the
+"""A worker's output channels (worker/channel.py) over a scripted delta stream, in-process: the
 output-channel and output-stream tests' worker."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from kvrelay.common.messages import EngineRequest, OutputDelta, SampleDelta
-from kvrelay.worker.channel import ChannelEndpoint
+from kvrelay.common.stream_wire import ChannelAddress
+from kvrelay.worker.channel import OutputChannels
 
 
-class ScriptedEndpoint(ChannelEndpoint):
+class ScriptedEndpoint:
     """Request r yields, one delta per `step_s` (a turn of the loop at 0), token
     sum(prompt) + i at output position i, from its resumed position up to max_tokens. It
     records the requests started, in order, and those still running (an abort ends one)."""
@@ -19,8 +20,15 @@ class ScriptedEndpoint(ChannelEndpoint):
         self.step_s = step_s
         self.started: list[str] = []
         self.running: set[str] = set()
+        self.channels = OutputChannels(self._deltas)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
+    async def open_channel(self, channel_id: str) -> ChannelAddress:
+        return await self.channels.open(channel_id)
+
+    async def start(self, channel_id: str, tag: int, request: EngineRequest) -> None:
+        self.channels.start(channel_id, tag, request)
+
+    async def _deltas(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
         request_id, params = request.request_id, request.params
         prompt_token_ids = request.prompt_token_ids
         resume_output_token_ids = request.resume_output_token_ids

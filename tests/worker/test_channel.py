@@ -158,11 +158,11 @@ async def test_endpoint_routes_each_routers_requests_to_its_own_channel() -> Non
     assert [i.delta.samples[0].start for i in seen[router_b] if i.delta] == [2, 3]
     assert worker.started == ["a0", "b0"]
     for _ in range(100):  # the hang-ups land on the worker's side
-        if not worker._channels:
+        if not worker.channels.ids:
             break
         await asyncio.sleep(0.01)
-    assert not worker._channels  # a channel whose listener left is gone
-    worker.close_streams()
+    assert not worker.channels.ids  # a channel whose listener left is gone
+    worker.channels.close()
 
 
 @pytest.mark.parametrize("channel_id", ["", "x" * 32, "A" * 32, "a" * 31, "é" * 32])

@@ -17,6 +17,7 @@ from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sampler import Sampler, SamplingRow
 from kvrelay.worker.actor import EngineWorker
+from kvrelay.worker.deltas import request_deltas
 from kvrelay.worker.engine_loop import EngineLoop
 from tests.engine.conftest import EngineFactory, assert_pool_whole, run_to_completion
 from tests.engine.test_disaggregation import prefill
@@ -37,7 +38,7 @@ def test_colocated_worker_streams_the_engine_output(
         """The sample's tokens so far after each delta."""
         tokens: list[int] = []
         seen = []
-        async for delta in worker.generate(EngineRequest(rid, prompts[rid], greedy(6))):
+        async for delta in request_deltas(worker.loop, EngineRequest(rid, prompts[rid], greedy(6))):
             tokens.extend(delta.samples[0].token_ids)
             seen.append(list(tokens))
         return seen
@@ -67,7 +68,9 @@ def test_abort_mid_stream_frees_the_blocks(tiny_llama_dir: Path) -> None:
 
     async def main() -> None:
         num_tokens = 0
-        async for delta in worker.generate(EngineRequest("a", list(range(5, 30)), greedy(200))):
+        async for delta in request_deltas(
+            worker.loop, EngineRequest("a", list(range(5, 30)), greedy(200))
+        ):
             num_tokens += len(delta.samples[0].token_ids)
             if num_tokens == 3:
                 break  # leaving the stream aborts the request

@@ -18,6 +18,7 @@ from kvrelay.common.messages import DrainState, EngineRequest, KVHandle, Role
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import EngineArgs
 from kvrelay.worker.actor import EngineWorker, Placement
+from kvrelay.worker.deltas import request_deltas
 from tests.engine.conftest import EngineFactory
 from tests.transfer.plans import SECRET
 from tests.worker.conftest import TINY_ENGINE_KWARGS
@@ -64,7 +65,9 @@ async def relayed(
     handle = first.kv_handle
     assert isinstance(handle, KVHandle)
     tokens: list[int] = []
-    async for delta in decode.generate(EngineRequest(request_id, PROMPT, params, handle)):
+    async for delta in request_deltas(
+        decode.loop, EngineRequest(request_id, PROMPT, params, handle)
+    ):
         for sample in delta.samples:
             tokens[sample.start :] = sample.token_ids
     await prefill.release_kv(request_id)

@@ -17,6 +17,7 @@ import ray
 from kvrelay.common.messages import EngineRequest, OutputDelta
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
+from kvrelay.router.channel import WorkerChannel
 from kvrelay.router.local import complete, local_router
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory, run_to_completion
@@ -55,15 +56,28 @@ async def relay_tokens(
 
 
 def streamed_tokens(worker: Any, request: EngineRequest) -> tuple[list[int], OutputDelta]:
-    """A worker's `generate` stream called directly: all its tokens, and its last delta."""
-    tokens: list[int] = []
-    last = None
-    for ref in worker.generate.options(num_returns="streaming").remote(request):
-        last = ray.get(ref)
-        for sample in last.samples:
-            tokens[sample.start :] = sample.token_ids
-    assert last is not None and last.finished
-    return tokens, last
+    """`request` started on the worker's output channel (router/channel.py's end of it, as the
+    relay starts one, with no relay around it): all its tokens, and its last delta."""
+
+    async def read() -> tuple[list[int], OutputDelta]:
+        channel = WorkerChannel(worker)
+        tag, inbox = channel.open()
+        tokens: list[int] = []
+        try:
+            await worker.start.remote(channel.channel_id, tag, request)
+            while True:
+                item = await asyncio.wait_for(inbox.get(), 60)
+                if isinstance(item, BaseException):
+                    raise item
+                assert item.delta is not None, item.error
+                for sample in item.delta.samples:
+                    tokens[sample.start :] = sample.token_ids
+                if item.delta.finished:
+                    return tokens, item.delta
+        finally:
+            channel.stop()
+
+    return asyncio.run(read())
 
 
 def colocated(

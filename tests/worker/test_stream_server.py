@@ -71,8 +71,8 @@ async def test_a_proven_router_gets_its_batches_and_hanging_up_aborts_the_reques
     assert batch and batch[0].delta is not None and batch[0].delta.request_id == "r"
     writer.close()
     await _settle(lambda: not worker.running)
-    assert not worker.running and not worker._channels
-    worker.close_streams()
+    assert not worker.running and not worker.channels.ids
+    worker.channels.close()
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ async def test_a_router_that_proves_nothing_is_told_nothing(
     reader, writer = await connect(address)
     assert await asyncio.wait_for(read_batch(reader), WAIT_S)
     writer.close()
-    worker.close_streams()
+    worker.channels.close()
 
 
 async def test_a_key_serves_one_connection() -> None:
@@ -109,7 +109,7 @@ async def test_a_key_serves_one_connection() -> None:
     assert await asyncio.wait_for(read_batch(reader), WAIT_S)
     assert await _raw(address, hello(address)) == b""  # a replay of the same hello
     writer.close()
-    worker.close_streams()
+    worker.channels.close()
 
 
 async def test_random_bytes_get_no_answer_and_break_nothing(
@@ -128,7 +128,7 @@ async def test_random_bytes_get_no_answer_and_break_nothing(
     reader, writer = await connect(address)
     assert await asyncio.wait_for(read_batch(reader), WAIT_S)
     writer.close()
-    worker.close_streams()
+    worker.channels.close()
 
 
 async def test_a_channel_nobody_connects_to_aborts_its_requests(
@@ -141,9 +141,9 @@ async def test_a_channel_nobody_connects_to_aborts_its_requests(
     await _start(worker, "orphan")
     await _settle(lambda: "orphan" in worker.running)
     await _settle(lambda: not worker.running)
-    assert not worker.running and not worker._channels
+    assert not worker.running and not worker.channels.ids
     assert await _raw(address, hello(address)) == b""  # the key expired with it
-    worker.close_streams()
+    worker.channels.close()
 
 
 async def test_a_router_trusts_only_a_worker_that_proves_the_key() -> None:
@@ -165,7 +165,7 @@ async def test_closing_the_worker_ends_every_stream() -> None:
     await _start(worker, "r")
     reader, writer = await connect(address)
     assert await asyncio.wait_for(read_batch(reader), WAIT_S)
-    worker.close_streams()
+    worker.channels.close()
     while await asyncio.wait_for(read_batch(reader), WAIT_S) is not None:
         pass  # batches sent before the close, then a clean end
     writer.close()
@@ -274,7 +274,7 @@ async def test_with_rays_tls_on_the_stream_is_tls(
     assert batch and batch[0].delta is not None
     assert isinstance(writer.get_extra_info("ssl_object"), ssl.SSLObject)
     writer.close()
-    worker.close_streams()
+    worker.channels.close()
 
 
 def test_rays_tls_without_its_files_is_a_clear_error() -> None:

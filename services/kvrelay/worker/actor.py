@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from kvrelay.common.messages import (
@@ -28,6 +28,7 @@ from kvrelay.common.messages import (
     WorkerInfo,
     WorkerStatus,
 )
+from kvrelay.common.stream_wire import ChannelAddress
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
@@ -35,8 +36,8 @@ from kvrelay.transfer.auth import KVSecret, resolve_kv_secret
 from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
 from kvrelay.transfer.network import KVNetwork
-from kvrelay.worker.channel import ChannelEndpoint
-from kvrelay.worker.deltas import DeltaTracker
+from kvrelay.worker.channel import OutputChannels
+from kvrelay.worker.deltas import DeltaTracker, request_deltas
 from kvrelay.worker.engine_builder import build_worker_engine, freeze_start_up_objects
 from kvrelay.worker.engine_loop import EngineLoop
 from kvrelay.worker.priority import raise_engine_priority
@@ -64,10 +65,10 @@ class Placement:
         )
 
 
-class EngineWorker(ChannelEndpoint):
+class EngineWorker:
     """A prefill, decode or colocated ("both") worker. The router streams its requests'
     outputs through `open_channel` + `start` (worker/channel.py: one stream per router,
-    batched); `generate` is the per-request stream they are made of."""
+    batched), the workers' one output path."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class EngineWorker(ChannelEndpoint):
                 self.engine, self.role, transfer_backend, kv_secret, connector_options or {}
             )
         self.loop = EngineLoop(self.engine, self.connector)
+        self.channels = OutputChannels(lambda request: request_deltas(self.loop, request))
         self.placement = Placement.from_env()
         # Set by a router's drain call; every router replica reads it when it polls status()
         # and sends no new request here (those in flight finish).
@@ -120,16 +122,15 @@ class EngineWorker(ChannelEndpoint):
             self.engine.handoff.bind_handle(delta.kv_handle.handle_id, decode_engine_id)
         return delta
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
-        """Each step's new tokens, up to the finished delta; with a `kv_handle`, the prompt's
-        KV is pulled from its prefill worker first (recomputed here if the pull fails, or
-        failed, by the engine's kv_transfer_failure). With `resume_output_token_ids`, a
-        sequence that another worker started goes on after those tokens (Engine.add); the
-        deltas start after them. Call it with `num_returns="streaming"` through Ray; leaving
-        early aborts the request."""
-        tracker = DeltaTracker(already_sent=len(request.resume_output_token_ids))
-        async for output in self.loop.outputs(request):
-            yield tracker.delta(output)
+    async def open_channel(self, channel_id: str) -> ChannelAddress:
+        """Where the router that named `channel_id` connects for its requests' deltas
+        (worker/channel.py: `OutputChannels.open`)."""
+        return await self.channels.open(channel_id)
+
+    async def start(self, channel_id: str, tag: int, request: EngineRequest) -> None:
+        """Start `request`, its deltas sent on the router's channel `channel_id` under `tag`;
+        returns once it is queued. Its failure comes on the channel."""
+        self.channels.start(channel_id, tag, request)
 
     def describe(self) -> WorkerInfo:
         engine = self.engine
@@ -198,7 +199,7 @@ class EngineWorker(ChannelEndpoint):
         return self.loop.is_alive()
 
     def shutdown(self) -> None:
-        self.close_streams()
+        self.channels.close()
         self.loop.shutdown()
         if self.connector is not None:
             self.connector.close()

@@ -2,9 +2,10 @@
 
 A router opens a channel once per worker (`open_channel(channel_id)`, a Ray call that answers
 where to connect: worker/stream_server.py) and starts requests with plain
-`start(channel_id, tag, ...)` calls. Each time the worker's event loop runs it sends, as ONE
-frame on that connection, every delta that arrived since the last batch, for all the router's
-requests here: per step one frame per router, not one message per request.
+`start(channel_id, tag, request)` calls: the workers' one output path. Each time the worker's
+event loop runs it sends, as ONE frame on that connection, every delta that arrived since the
+last batch, for all the router's requests here: per step one frame per router, not one message
+per request.
 
 Closing the channel (the router hung up, or never connected) aborts every request started on
 it, as leaving a per-request stream did.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvrelay.common.messages import ChannelItem, EngineRequest, OutputDelta, RequestFailedError
 from kvrelay.common.stream_wire import CHANNEL_ID_BYTES, ChannelAddress, server_tls
@@ -47,7 +48,7 @@ class OutputChannel:
         self.claimed = False  # a listener has taken its batches
 
     def start(self, tag: int, deltas: AsyncIterator[OutputDelta]) -> None:
-        """Forward one request's deltas (its stream, as `generate` yields them) under `tag`."""
+        """Forward one request's deltas (its stream: `OutputChannels`' `deltas`) under `tag`."""
         if self.closed:
             raise RuntimeError("this output channel is closed; open a new one")
         if tag in self._tasks:
@@ -90,19 +91,29 @@ class OutputChannel:
             self._tasks.pop(tag, None)
 
 
-class ChannelEndpoint:
-    """The `open_channel` / `start` pair of a worker actor, over its per-request `generate`;
-    a mixin for EngineWorker (and the router tests' fake worker). Its methods run on the
-    actor's event loop."""
+DeltaStream = Callable[[EngineRequest], AsyncIterator[OutputDelta]]
 
-    _channels: dict[str, OutputChannel]
-    _streams: StreamServer | None
-    _loop: asyncio.AbstractEventLoop
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[OutputDelta]:
-        raise NotImplementedError
+class OutputChannels:
+    """A worker's output channels, one per router (by the channel id it names), and the
+    listener routers connect to; part of the worker actor (made in its `__init__`), whose
+    `open_channel` and `start` calls land here. Its methods run on the actor's event loop
+    (`close`: any thread)."""
 
-    async def open_channel(self, channel_id: str) -> ChannelAddress:
+    def __init__(self, deltas: DeltaStream) -> None:
+        """`deltas`: one request's stream of deltas (worker/deltas.py's `request_deltas`);
+        leaving it early aborts the request."""
+        self._deltas = deltas
+        self._channels: dict[str, OutputChannel] = {}
+        self._server: StreamServer | None = None  # listening from the first `open`
+        self._loop: asyncio.AbstractEventLoop | None = None  # the channels' loop, once known
+
+    @property
+    def ids(self) -> list[str]:
+        """The ids of the channels open now."""
+        return list(self._channels)
+
+    async def open(self, channel_id: str) -> ChannelAddress:
         """Where the router that named `channel_id` (a uuid4's hex) connects for the batches
         of the requests it starts with that id, and the single-use key it proves itself with
         (common/stream_wire.py). Connecting ends when either side hangs up, and that ends
@@ -110,18 +121,22 @@ class ChannelEndpoint:
         if len(channel_id) != CHANNEL_ID_BYTES or set(channel_id) - _HEX_DIGITS:
             raise ValueError(f"a channel id is {CHANNEL_ID_BYTES} hex digits")
         self._channel(channel_id)
-        if getattr(self, "_streams", None) is None:
+        if self._server is None:
             network = KVNetwork.from_env()
-            self._streams = StreamServer(
-                self._channel, self._forget_channel, network.host, network.peer_host, server_tls()
+            self._server = StreamServer(
+                self._channel, self._forget, network.host, network.peer_host, server_tls()
             )
-        assert self._streams is not None
-        return await self._streams.open(channel_id)
+        return await self._server.open(channel_id)
 
-    def close_streams(self) -> None:
+    def start(self, channel_id: str, tag: int, request: EngineRequest) -> None:
+        """Start `request`, its deltas sent on `channel_id` under `tag` (a start may come
+        before its channel is opened). Its failure comes on the channel."""
+        self._channel(channel_id).start(tag, self._deltas(request))
+
+    def close(self) -> None:
         """Stop listening for routers; every channel closes (its requests are aborted). Any
         thread may call it: the closing runs on the loop the channels live on."""
-        loop: asyncio.AbstractEventLoop | None = getattr(self, "_loop", None)
+        loop = self._loop
         if loop is None:
             return
         try:
@@ -129,28 +144,26 @@ class ChannelEndpoint:
         except RuntimeError:
             here = None
         if here is loop:
-            self._close_streams_now()
+            self._close_now()
         else:
             with contextlib.suppress(RuntimeError):  # that loop is closed: nothing is open
-                loop.call_soon_threadsafe(self._close_streams_now)
+                loop.call_soon_threadsafe(self._close_now)
 
-    def _close_streams_now(self) -> None:
-        streams = getattr(self, "_streams", None)
-        if streams is not None:
-            streams.close()
+    def _close_now(self) -> None:
+        if self._server is not None:
+            self._server.close()
         for channel in self._channels.values():
             channel.close()
 
     def _channel(self, channel_id: str) -> OutputChannel:
-        if not hasattr(self, "_channels"):
-            self._channels = {}
-            self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
         channel = self._channels.get(channel_id)
         if channel is None or channel.closed:
             channel = self._channels[channel_id] = OutputChannel()
             # A channel nobody connects to (its router died before it could) would run its
             # requests to the end for no one: close it.
-            loop = asyncio.get_running_loop()
             loop.call_later(KEY_TTL_S, self._close_unclaimed, channel_id, channel)
         return channel
 
@@ -158,13 +171,8 @@ class ChannelEndpoint:
         if not channel.claimed:
             logger.warning("output channel %s was never connected: closing it", channel_id)
             channel.close()
-            self._forget_channel(channel_id, channel)
+            self._forget(channel_id, channel)
 
-    def _forget_channel(self, channel_id: str, channel: OutputChannel) -> None:
+    def _forget(self, channel_id: str, channel: OutputChannel) -> None:
         if self._channels.get(channel_id) is channel:
             del self._channels[channel_id]
-
-    async def start(self, channel_id: str, tag: int, request: EngineRequest) -> None:
-        """Start `request`, its deltas sent on `channel_id` under `tag` (see `generate`);
-        returns once it is queued. Its failure comes on the channel."""
-        self._channel(channel_id).start(tag, self.generate(request))

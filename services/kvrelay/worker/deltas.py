@@ -7,8 +7,25 @@ its first token so a receiver can line up streams that overlap (a recompute afte
 
 from __future__ import annotations
 
-from kvrelay.common.messages import OutputDelta, SampleDelta
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from kvrelay.common.messages import EngineRequest, OutputDelta, SampleDelta
 from kvrelay.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from kvrelay.worker.engine_loop import EngineLoop
+
+
+async def request_deltas(loop: EngineLoop, request: EngineRequest) -> AsyncIterator[OutputDelta]:
+    """Run `request` on `loop` and yield each step's new tokens, up to the finished delta
+    (what a worker's output channel sends). With a `kv_handle`, the prompt's KV is pulled from
+    its prefill worker first (recomputed here if the pull fails, or failed, by the engine's
+    kv_transfer_failure). With `resume_output_token_ids`, the deltas start after those
+    tokens. Leaving early aborts the request."""
+    tracker = DeltaTracker(already_sent=len(request.resume_output_token_ids))
+    async for output in loop.outputs(request):
+        yield tracker.delta(output)
 
 
 class DeltaTracker:
