@@ -232,9 +232,6 @@ class RouterConfig:
     """The router's options: one object from the command line (`kvrelay serve` / `router`,
     cli_serve.py) through the platform (api/platform.py) and the router (router/router.py)
     to the relay (router/relay.py), each option under the same name at every hop.
-
-    The relay's options come first, in the order of the `RelayConfig` this replaces, so that
-    `RelayConfig(0)` (no local prefill) still means what it did.
     """
 
     # Prompts with at most this many tokens not cached at the decode worker run whole there,

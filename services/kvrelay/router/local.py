@@ -24,17 +24,15 @@ async def local_router(
     config: RouterConfig | None = None,
     policy: RoutingPolicy | None = None,
     model_id: str = "local",
-    relay: RouterConfig | None = None,
 ) -> Router:
     """A router over `workers` (EngineWorker actors): each joins a fresh registry, which
-    introduces decode workers to prefill workers. `tokenizer` None serves token ids only.
-    `relay` is `config`'s older name (docs/architecture.md's example still uses it)."""
+    introduces decode workers to prefill workers. `tokenizer` None serves token ids only."""
     registry = WorkerRegistry()
     for worker in workers:
         await registry.add(worker)
     max_model_len = min(state.info.max_model_len for state in registry.workers.values())
     card = ModelCard(model_id, max_model_len, int(time.time()))
-    return Router.create(registry, tokenizer, card, config or relay, policy=policy)
+    return Router.create(registry, tokenizer, card, config, policy=policy)
 
 
 async def complete(

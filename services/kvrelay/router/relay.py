@@ -92,12 +92,6 @@ class SampleRun:
                 self.emit(news)
 
 
-# The relay's options are the router's (kvrelay.config.RouterConfig); this older name is kept
-# for the example in docs/architecture.md (`RelayConfig(0)`: no local prefill) and code
-# written against it. New code says RouterConfig.
-RelayConfig = RouterConfig
-
-
 class Relay:
     def __init__(
         self,
