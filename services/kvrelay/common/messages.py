@@ -55,6 +55,16 @@ def sample_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
+def samples_of(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The one n > 1 fan-out rule, for the router and the engine alike: sample `index` of a
+    request is its own request, with id `sample_request_id(request_id, index, n)` and
+    parameters `params.for_sample(index)` (n = 1, seed + index). In index order."""
+    return [
+        (sample_request_id(request_id, index, params.n), params.for_sample(index))
+        for index in range(params.n)
+    ]
+
+
 @dataclass(frozen=True)
 class KVHandle:
     """A prefilled request's KV, held under a lease by the prefill engine `engine_id`.

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.common.detokenizer import IncrementalDetokenizer, Tokenizer
-from kvrelay.common.messages import KVHandle, sample_request_id
+from kvrelay.common.messages import KVHandle, samples_of
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request, RequestStatus
@@ -42,18 +42,16 @@ class ParentRequest:
         eos_token_ids: tuple[int, ...],
         priority: int = 0,
     ) -> ParentRequest:
-        """A request's `params.n` samples, each the request of its own that
-        `params.for_sample(index)` describes (n = 1, seed + index), with id
-        `sample_request_id(request_id, index, n)`: the one fan-out rule."""
+        """A request's `params.n` samples, each a request of its own as the one fan-out rule
+        (`kvrelay.common.messages.samples_of`, the router's too) names and sets it up."""
         children = []
-        for index in range(params.n):
-            sample_params = params.for_sample(index)
+        for sample_id, sample_params in samples_of(request_id, params):
             generator = None
             if sample_params.seed is not None:
                 generator = torch.Generator().manual_seed(sample_params.seed)
             children.append(
                 Request(
-                    request_id=sample_request_id(request_id, index, params.n),
+                    request_id=sample_id,
                     prompt_token_ids=prompt_token_ids,
                     sampling_params=sample_params,
                     max_total_tokens=max_total_tokens,

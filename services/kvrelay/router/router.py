@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.common.block_hash import hash_token_blocks
-from kvrelay.common.messages import EngineRequest, Role, sample_request_id
+from kvrelay.common.messages import EngineRequest, Role, samples_of
 from kvrelay.config import DEFAULT_MAX_N, RouterConfig
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.admission import AdmissionController, Ticket
@@ -247,10 +247,9 @@ class Router:
     def _sample_runs(self, request: GenerateRequest) -> list[SampleRun]:
         params = request.params
         runs = []
-        for index in range(params.n):
+        for index, (rid, sample_params) in enumerate(samples_of(request.request_id, params)):
             # Stop strings are matched here, on the text; workers see token ids only.
-            worker_params = dataclasses.replace(params.for_sample(index), stop=())
-            rid = sample_request_id(request.request_id, index, params.n)
+            worker_params = dataclasses.replace(sample_params, stop=())
             state = SampleState(
                 index,
                 self.tokenizer,
