@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,6 +260,21 @@ class SamplingParams:
     def greedy(cls, **kwargs: Any) -> SamplingParams:
         """Greedy decoding (temperature 0); other fields as given."""
         return cls(temperature=0.0, **kwargs)
+
+
+def check_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
+    """The one vocabulary rule, for the router (its tokenizer's size) and the engine (its
+    model's): every token id given in `field` lies in [0, vocab_size).
+
+    Raises:
+        ValueError: naming `field` and its first id outside the vocabulary.
+    """
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"{field}: token id {bad} is outside the vocabulary; token ids must be in "
+            f"[0, {vocab_size})"
+        )
 
 
 def _as_tuple(name: str, value: object) -> tuple[Any, ...]:

@@ -12,7 +12,7 @@ import torch
 
 from kvrelay.common.detokenizer import Tokenizer
 from kvrelay.common.messages import EngineRequest, EngineStats, KVHandle, PullPlan, Role
-from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams, check_vocab
 from kvrelay.config import EngineConfig
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
 from kvrelay.engine.isolation import SAMPLING_FAILED
@@ -192,8 +192,7 @@ class Engine:
         params = request.params
         if params.n != 1:
             raise ValueError("resume_output_token_ids needs n = 1")
-        if any(not 0 <= t < vocab for t in outputs):
-            raise ValueError(f"resume_output_token_ids must be in [0, {vocab})")
+        check_vocab("resume_output_token_ids", outputs, vocab)
         if params.max_tokens is not None and len(outputs) >= params.max_tokens:
             raise ValueError("resume_output_token_ids leaves nothing to generate (max_tokens)")
         if len(request.prompt_token_ids) + len(outputs) >= self.max_total_tokens:
@@ -220,8 +219,7 @@ class Engine:
             max_model_len=self.config.max_model_len,
             kv_capacity=self.num_blocks * self.kv_cache.block_size,
         )
-        if any(token >= vocab for token, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        check_vocab("logit_bias", (token for token, _ in params.logit_bias), vocab)
         parent = ParentRequest.fan_out(
             request_id,
             request.prompt,

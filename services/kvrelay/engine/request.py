@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams, check_vocab
 
 _arrival_counter = itertools.count()
 
@@ -160,9 +160,7 @@ def validate_prompt(
     ids = [int(t) for t in prompt_token_ids]
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_vocab("prompt", ids, vocab_size)
     if len(ids) >= max_model_len:
         raise ValueError(
             f"the prompt has {len(ids)} tokens but max_model_len is {max_model_len}: it must "

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvrelay.common.block_hash import hash_token_blocks
 from kvrelay.common.messages import EngineRequest, Role, samples_of
+from kvrelay.common.sampling_params import check_vocab
 from kvrelay.config import DEFAULT_MAX_N, RouterConfig
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.admission import AdmissionController, Ticket
@@ -128,11 +129,15 @@ class Router:
                 name,
             )
         vocab = self._vocab_size
-        if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise InvalidRequestError(f"{prompt}: token ids must be in [0, {vocab})", prompt)
-        if vocab is not None and any(t >= vocab for t, _ in request.params.logit_bias):
-            name = request.param("logit_bias")
-            raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab})", name)
+        if vocab is None:
+            return
+        bias_name = request.param("logit_bias")
+        bias_ids = (t for t, _ in request.params.logit_bias)
+        for name, ids in ((prompt, request.prompt_token_ids), (bias_name, bias_ids)):
+            try:
+                check_vocab(name, ids, vocab)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), name) from None
 
     def _check_samples(self, request: GenerateRequest) -> None:
         """n within bounds, and n samples of max_tokens within what the pools can hold: a
