@@ -35,8 +35,8 @@ class Worker:
         self, backend: str, engine_id: str, num_blocks: int, seed: int | None, secret: bytes
     ) -> None:
         from kvrelay.engine.leases import LeaseTable
-        from kvrelay.transfer.auth import KVSecret
         from kvrelay.transfer.factory import create_connector
+        from kvrelay.transfer.kv_secret import KVSecret
 
         shape = (num_blocks, *BLOCK_SHAPE)
         if seed is None:

@@ -32,8 +32,8 @@ TRANSPORTS = ("grpc", "nixl", "staging")
 @contextmanager
 def grpc_transport(prefill: Any, decode: Any) -> Iterator[Pull]:
     """A KVTransfer server on the prefill engine's tensor, a pulling client on the decode's."""
-    from kvrelay.transfer.auth import KVSecret
     from kvrelay.transfer.grpc_connector import GrpcConnector
+    from kvrelay.transfer.kv_secret import KVSecret
 
     secret = KVSecret.generate()
     server, client = GrpcConnector(secret=secret), GrpcConnector(secret=secret, serve=False)

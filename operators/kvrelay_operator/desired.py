@@ -27,7 +27,7 @@ from kvrelay_operator.names import (
 from kvrelay_operator.podparts import Obj
 from kvrelay_operator.raycluster import desired_raycluster
 from kvrelay_operator.revision import revision_hash
-from kvrelay_operator.router import desired_router_deployment, desired_router_service
+from kvrelay_operator.router_deployment import desired_router_deployment, desired_router_service
 from kvrelay_operator.spec import ServiceSpec
 
 ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name); all children share a namespace

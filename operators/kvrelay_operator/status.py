@@ -13,7 +13,7 @@ from typing import Any
 
 from kvrelay_operator.names import POOLS, pool_selector
 from kvrelay_operator.podparts import Obj
-from kvrelay_operator.router import endpoint
+from kvrelay_operator.router_deployment import endpoint
 from kvrelay_operator.spec import ServiceSpec
 
 CONDITION_TYPES = ("Ready", "PrefillReady", "DecodeReady", "RouterReady")

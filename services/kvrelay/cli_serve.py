@@ -275,7 +275,7 @@ def _router_config(ns: argparse.Namespace) -> RouterConfig:
 
 def _kv_secret(ns: argparse.Namespace) -> Any:
     """The KV secret from --kv-secret-file, else the environment's, else None."""
-    from kvrelay.transfer.auth import KVSecret
+    from kvrelay.transfer.kv_secret import KVSecret
 
     return KVSecret.from_file(ns.kv_secret_file) if ns.kv_secret_file else KVSecret.from_env()
 

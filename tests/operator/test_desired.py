@@ -17,7 +17,7 @@ from kvrelay_operator.desired import (
 from kvrelay_operator.names import raycluster_name
 from kvrelay_operator.raycluster import ray_resources_param
 from kvrelay_operator.revision import revision_hash
-from kvrelay_operator.router import router_command
+from kvrelay_operator.router_deployment import router_command
 from tests.deploy.schemas import validate_everywhere
 from tests.operator.services import IMAGE, service
 

@@ -107,7 +107,7 @@ def test_worker_pods_run_their_engines_unniced() -> None:
 
 
 def test_the_kv_secret_env_names_what_the_workers_read() -> None:
-    from kvrelay.transfer.auth import KV_SECRET_FILE_ENV
+    from kvrelay.transfer.kv_secret import KV_SECRET_FILE_ENV
     from kvrelay.transfer.network import KV_HOST_ENV
 
     env = _env(_templates({})["decode"])

@@ -31,7 +31,7 @@ from kvrelay.common.messages import (
     WorkerStatus,
 )
 from kvrelay.common.stream_wire import ChannelAddress
-from kvrelay.worker.channel import OutputChannels
+from kvrelay.worker.output_channels import OutputChannels
 
 if TYPE_CHECKING:
     pass

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from kvrelay.router.admission import AdmissionController
-from kvrelay.router.errors import OverloadedError, UnavailableError
+from kvrelay.router.request_errors import OverloadedError, UnavailableError
 
 
 async def test_runs_queues_then_refuses() -> None:

@@ -13,7 +13,7 @@ import pytest
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
 from kvrelay.models.tokenizer import load_tokenizer
-from kvrelay.router.errors import UnavailableError
+from kvrelay.router.request_errors import UnavailableError
 from kvrelay.router.router import ModelCard, Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest
 from kvrelay.router.workers import WorkerRegistry

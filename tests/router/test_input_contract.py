@@ -16,9 +16,9 @@ from kvrelay.common.messages import Role, WorkerInfo
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
 from kvrelay.metrics import RouterMetrics
-from kvrelay.router.errors import InvalidRequestError
 from kvrelay.router.prompt_encoder import PromptEncoder
 from kvrelay.router.prompts import chat_messages, check_text, prompt_token_ids, sampling_params
+from kvrelay.router.request_errors import InvalidRequestError
 from kvrelay.router.router import ModelCard, Router
 from kvrelay.router.types import GenerateRequest, new_request_id
 from kvrelay.router.workers import WorkerRegistry, WorkerState

@@ -17,8 +17,8 @@ import ray
 from kvrelay.common.messages import sample_request_id
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.router.errors import UnavailableError
 from kvrelay.router.local import complete, local_router
+from kvrelay.router.request_errors import UnavailableError
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest
 from tests.router.fake_worker import KV_TRANSFER_FAILED, FakeState, FakeWorker, model_tokens

@@ -9,9 +9,9 @@ import pytest
 
 from kvrelay.common.messages import EngineStats, WorkerInfo
 from kvrelay.router.decision import Decision, decide
-from kvrelay.router.errors import UnavailableError
 from kvrelay.router.policy import RouteQuery, RoutingPolicy
 from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.request_errors import UnavailableError
 from kvrelay.router.workers import WorkerState
 
 

@@ -19,7 +19,7 @@ def grpc_attempts(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Each attempt: a raw PullBlocks; a `secret` (hex) signs it with that key, else no proof."""
     import grpc
 
-    from kvrelay.transfer.auth import KVSecret
+    from kvrelay.transfer.kv_secret import KVSecret
     from kvrelay.v1 import kv_transfer_pb2 as pb
     from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
 

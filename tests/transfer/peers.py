@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 
 from kvrelay.common.messages import KVHandle, PeerMetadata, PullPlan
-from kvrelay.transfer.auth import KVSecret
 from kvrelay.transfer.base import KVConnector, TransferError
 from kvrelay.transfer.factory import create_connector
+from kvrelay.transfer.kv_secret import KVSecret
 from tests.transfer.plans import SECRET, Leases
 
 # A tiny model's block: [layers=2, K/V, block 4, heads 2, dim 8] fp32 = 512 bytes.

@@ -10,7 +10,7 @@ import torch
 
 from kvrelay.common.messages import KVHandle, PullPlan
 from kvrelay.engine.leases import LeaseTable
-from kvrelay.transfer.auth import KVSecret
+from kvrelay.transfer.kv_secret import KVSecret
 
 SECRET = KVSecret(b"kvrelay-tests-deployment-secret!")  # the tests' deployment secret
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from kvrelay.common.messages import KVHandle
-from kvrelay.transfer.auth import NOT_AUTHORIZED, KVSecret, KVSecretError
 from kvrelay.transfer.base import TransferError
 from kvrelay.transfer.grpc_connector import GrpcConnector
 from kvrelay.transfer.kv_regions import block_bytes
+from kvrelay.transfer.kv_secret import NOT_AUTHORIZED, KVSecret, KVSecretError
 from kvrelay.transfer.nixl_api import nixl_available
 from kvrelay.v1 import kv_transfer_pb2 as pb
 from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -257,7 +257,7 @@ def test_a_nixl_outsider_gets_no_metadata_and_reads_nothing() -> None:
 
 
 def test_a_worker_that_moves_kv_needs_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvrelay.transfer.auth import resolve_kv_secret
+    from kvrelay.transfer.kv_secret import resolve_kv_secret
 
     for name in ("KVRELAY_KV_SECRET", "KVRELAY_KV_SECRET_FILE"):
         monkeypatch.delenv(name, raising=False)

@@ -1,5 +1,5 @@
-"""A worker's output channels (worker/channel.py) over a scripted delta stream, in-process: the
-output-channel and output-stream tests' worker."""
+"""A worker's output channels (worker/output_channels.py) over a scripted delta stream,
+in-process: the output-channel and output-stream tests' worker."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from kvrelay.common.messages import EngineRequest, OutputDelta, SampleDelta
 from kvrelay.common.stream_wire import ChannelAddress
-from kvrelay.worker.channel import OutputChannels
+from kvrelay.worker.output_channels import OutputChannels
 
 
 class ScriptedEndpoint:

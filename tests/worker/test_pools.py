@@ -17,8 +17,8 @@ import ray
 from kvrelay.common.messages import EngineRequest, OutputDelta
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.router.channel import WorkerChannel
 from kvrelay.router.local import complete, local_router
+from kvrelay.router.worker_channels import WorkerChannel
 from kvrelay.worker.pools import Pools
 from tests.engine.conftest import EngineFactory, run_to_completion
 from tests.worker.conftest import TINY_ENGINE_KWARGS
@@ -56,8 +56,8 @@ async def relay_tokens(
 
 
 def streamed_tokens(worker: Any, request: EngineRequest) -> tuple[list[int], OutputDelta]:
-    """`request` started on the worker's output channel (router/channel.py's end of it, as the
-    relay starts one, with no relay around it): all its tokens, and its last delta."""
+    """`request` started on the worker's output channel (router/worker_channels.py's end of it,
+    as the relay starts one, with no relay around it): all its tokens, and its last delta."""
 
     async def read() -> tuple[list[int], OutputDelta]:
         channel = WorkerChannel(worker)

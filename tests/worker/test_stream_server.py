@@ -28,8 +28,8 @@ from kvrelay.common.stream_wire import (
     server_tls,
     worker_proof,
 )
-from kvrelay.router.channel import connect
-from kvrelay.worker import channel as worker_channel
+from kvrelay.router.worker_channels import connect
+from kvrelay.worker import output_channels as worker_channel
 from kvrelay.worker import stream_server
 from tests.pki import have_openssl, make_ca, make_leaf
 from tests.worker.scripted_endpoint import ScriptedEndpoint

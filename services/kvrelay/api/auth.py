@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from kvrelay.router.errors import RouterError, Status
+from kvrelay.router.request_errors import RouterError, Status
 
 
 class AuthenticationError(RouterError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay.router.errors import InvalidRequestError
 from kvrelay.router.prompts import chat_messages, prompt_token_ids, sampling_params
+from kvrelay.router.request_errors import InvalidRequestError
 from kvrelay.router.router import Router
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage, new_request_id
 from kvrelay.v1 import generation_pb2 as pb

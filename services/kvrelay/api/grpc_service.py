@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvrelay.api.auth import check_api_key
 from kvrelay.api.grpc_convert import response_message, to_request
-from kvrelay.router.errors import InvalidRequestError, OverloadedError, RouterError
+from kvrelay.router.request_errors import InvalidRequestError, OverloadedError, RouterError
 from kvrelay.router.router import Router
 from kvrelay.router.types import collect_chunks
 from kvrelay.v1 import generation_pb2 as pb

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from kvrelay.api.openai_format import error_body, router_error_body
-from kvrelay.router.errors import OverloadedError, RouterError
+from kvrelay.router.request_errors import OverloadedError, RouterError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from kvrelay.router.errors import RouterError
+from kvrelay.router.request_errors import RouterError
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, TokenLogprob, Usage, collect_chunks
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvrelay.router.errors import InvalidRequestError
+from kvrelay.router.request_errors import InvalidRequestError
 
 
 class _Body(BaseModel):

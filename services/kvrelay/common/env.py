@@ -103,7 +103,7 @@ KV_SECRET = EnvVar(
     "KVRELAY_KV_SECRET",
     "string",
     "",
-    "the KV pull secret itself (`transfer/auth.py`)",
+    "the KV pull secret itself (`transfer/kv_secret.py`)",
 )
 KV_SECRET_FILE = EnvVar(
     "KVRELAY_KV_SECRET_FILE",

@@ -266,9 +266,10 @@ class OutputDelta:
 
 @dataclass(frozen=True)
 class ChannelItem:
-    """One entry of a batch on a worker's output channel (worker/channel.py): a delta, or why
-    the stream ended in failure, for the router's `tag` (its number for one `start` call, so a
-    request id run twice on one worker, a recompute, never mixes the two runs' outputs).
+    """One entry of a batch on a worker's output channel (worker/output_channels.py): a delta,
+    or why the stream ended in failure, for the router's `tag` (its number for one `start`
+    call, so a request id run twice on one worker, a recompute, never mixes the two runs'
+    outputs).
 
     `error_kind` when failed: "failed" (the engine failed this request alone, as
     RequestFailedError), "invalid" (the worker refused it, as ValueError), "internal".

@@ -1,6 +1,7 @@
-"""The wire of a worker's output stream (worker/stream_server.py serves it, router/channel.py
-reads it): a TCP connection per router and worker that carries the router's batches of deltas
-straight from the worker's event loop, instead of one Ray object per batch.
+"""The wire of a worker's output stream (worker/stream_server.py serves it,
+router/worker_channels.py reads it): a TCP connection per router and worker that carries the
+router's batches of deltas straight from the worker's event loop, instead of one Ray object
+per batch.
 
 Why not Ray: a streamed Ray object is a store entry, a report to the caller and wake-ups on
 several of Ray's threads in both processes, ~1 ms of CPU per batch on top of the payload; at

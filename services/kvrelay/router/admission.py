@@ -15,7 +15,7 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
-from kvrelay.router.errors import OverloadedError, UnavailableError
+from kvrelay.router.request_errors import OverloadedError, UnavailableError
 
 
 class Ticket:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from enum import Enum
 
 from kvrelay.common.messages import Role
-from kvrelay.router.errors import UnavailableError
+from kvrelay.router.request_errors import UnavailableError
 
 
 class Decision(Enum):

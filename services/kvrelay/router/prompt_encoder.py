@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvrelay.router.errors import InvalidRequestError
 from kvrelay.router.prompts import check_text
+from kvrelay.router.request_errors import InvalidRequestError
 
 T = TypeVar("T")
 # Normalisers may merge characters (NFC joins "e" + U+0301): leave room before refusing.

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvrelay.common.sampling_params import SamplingParams
-from kvrelay.router.errors import InvalidRequestError
+from kvrelay.router.request_errors import InvalidRequestError
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 # OpenAI's chat roles we can render ("developer" is OpenAI's newer name for "system").

@@ -30,12 +30,12 @@ from kvrelay.common.messages import (
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
 from kvrelay.metrics import RouterMetrics
-from kvrelay.router.channel import ChannelClosedError, Channels
 from kvrelay.router.decision import Decision, decide
-from kvrelay.router.errors import InvalidRequestError, RouterError, UnavailableError
 from kvrelay.router.policy import RouteQuery, RoutingPolicy
+from kvrelay.router.request_errors import InvalidRequestError, RouterError, UnavailableError
 from kvrelay.router.sample_state import SampleState
 from kvrelay.router.types import ChoiceDelta
+from kvrelay.router.worker_channels import ChannelClosedError, Channels
 from kvrelay.router.workers import WorkerRegistry, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Relay:
         self.policy = policy
         self.config = config
         self.metrics = metrics
-        # Each worker's outputs for this router come on one channel (router/channel.py).
+        # Each worker's outputs for this router come on one channel (router/worker_channels.py).
         self.channels = Channels()
         self._late_aborts: set[asyncio.Task[None]] = set()  # see _abort_once_started
 

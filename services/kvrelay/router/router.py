@@ -22,7 +22,9 @@ from kvrelay.common.sampling_params import check_vocab
 from kvrelay.config import DEFAULT_MAX_N, RouterConfig
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.admission import AdmissionController, Ticket
-from kvrelay.router.errors import (
+from kvrelay.router.prompt_encoder import PromptEncoder
+from kvrelay.router.relay import Relay, SampleRun
+from kvrelay.router.request_errors import (
     DeadlineExceededError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -30,8 +32,6 @@ from kvrelay.router.errors import (
     RouterError,
     UnavailableError,
 )
-from kvrelay.router.prompt_encoder import PromptEncoder
-from kvrelay.router.relay import Relay, SampleRun
 from kvrelay.router.sample_state import SampleState
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage
 from kvrelay.router.workers import WorkerRegistry

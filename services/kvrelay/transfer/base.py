@@ -12,7 +12,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from kvrelay.common.messages import KVHandle, PeerMetadata, PullPlan
-from kvrelay.transfer.auth import ClaimPull
+from kvrelay.transfer.kv_secret import ClaimPull
 
 
 class TransferError(RuntimeError):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvrelay.transfer.auth import KVSecret
 from kvrelay.transfer.base import KVConnector
+from kvrelay.transfer.kv_secret import KVSecret
 from kvrelay.transfer.network import KVNetwork
 from kvrelay.transfer.nixl_api import nixl_available
 from kvrelay.transfer.tls import KVTLS

@@ -1,6 +1,6 @@
 """The gRPC fallback connector: a decode worker streams a prefill worker's KV block bytes over
 `kvrelay.v1.KVTransfer/PullBlocks` and writes them straight into its own blocks (no pickle).
-Every pull carries a proof made with the deployment's KV secret (transfer/auth.py); the channel
+Every pull carries a proof made with the deployment's KV secret (transfer/kv_secret.py); the channel
 runs mTLS when the worker has a certificate (transfer/tls.py), plaintext otherwise. A GPU KV
 tensor is written through reusable pinned host buffers, one host -> device copy per chunk
 (kv_regions.PinnedStaging); a CPU one straight from the received bytes."""
@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from kvrelay.common.messages import KVHandle, PeerMetadata, PullPlan
-from kvrelay.transfer.auth import ClaimPull, KVSecret
 from kvrelay.transfer.base import (
     KVConnector,
     StalePeerError,
@@ -41,6 +40,7 @@ from kvrelay.transfer.kv_regions import (
     chunk_segments,
     flat_bytes,
 )
+from kvrelay.transfer.kv_secret import ClaimPull, KVSecret
 from kvrelay.transfer.network import is_wildcard
 from kvrelay.transfer.tls import KVTLS
 from kvrelay.v1 import kv_transfer_pb2 as pb

@@ -10,8 +10,8 @@ from concurrent import futures
 import grpc
 import torch
 
-from kvrelay.transfer.auth import NOT_AUTHORIZED, ClaimPull, KVSecret
 from kvrelay.transfer.kv_regions import StagingPool, block_byte_rows, block_bytes
+from kvrelay.transfer.kv_secret import NOT_AUTHORIZED, ClaimPull, KVSecret
 from kvrelay.transfer.runs import merge_runs
 from kvrelay.v1 import kv_transfer_pb2 as pb
 from kvrelay.v1 import kv_transfer_pb2_grpc as pb_grpc

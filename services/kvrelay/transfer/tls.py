@@ -4,7 +4,7 @@ gRPC server and connector ask this module for their credentials.
 
 With TLS on, a worker's KV server accepts only clients presenting a certificate that the
 deployment's CA signed, and a puller talks only to servers whose certificate that CA signed.
-The HMAC pull proof (transfer/auth.py) still guards every pull: TLS says who may connect and
+The HMAC pull proof (transfer/kv_secret.py) still guards every pull: TLS says who may connect and
 keeps the bytes private on the wire; the proof says what a connected engine may read.
 """
 

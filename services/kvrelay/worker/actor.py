@@ -32,14 +32,14 @@ from kvrelay.common.stream_wire import ChannelAddress
 from kvrelay.engine.args import EngineArgs
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.transfer.auth import KVSecret, resolve_kv_secret
 from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
+from kvrelay.transfer.kv_secret import KVSecret, resolve_kv_secret
 from kvrelay.transfer.network import KVNetwork
-from kvrelay.worker.channel import OutputChannels
 from kvrelay.worker.deltas import DeltaTracker, request_deltas
 from kvrelay.worker.engine_builder import build_worker_engine, freeze_start_up_objects
 from kvrelay.worker.engine_loop import EngineLoop
+from kvrelay.worker.output_channels import OutputChannels
 from kvrelay.worker.priority import raise_engine_priority
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class Placement:
 
 class EngineWorker:
     """A prefill, decode or colocated ("both") worker. The router streams its requests'
-    outputs through `open_channel` + `start` (worker/channel.py: one stream per router,
+    outputs through `open_channel` + `start` (worker/output_channels.py: one stream per router,
     batched), the workers' one output path."""
 
     def __init__(
@@ -124,7 +124,7 @@ class EngineWorker:
 
     async def open_channel(self, channel_id: str) -> ChannelAddress:
         """Where the router that named `channel_id` connects for its requests' deltas
-        (worker/channel.py: `OutputChannels.open`)."""
+        (worker/output_channels.py: `OutputChannels.open`)."""
         return await self.channels.open(channel_id)
 
     async def start(self, channel_id: str, tag: int, request: EngineRequest) -> None:

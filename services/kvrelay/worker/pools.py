@@ -13,7 +13,7 @@ from typing import Any
 
 from kvrelay.common.messages import EngineStats, Role
 from kvrelay.engine.args import EngineArgs
-from kvrelay.transfer.auth import KVSecret
+from kvrelay.transfer.kv_secret import KVSecret
 from kvrelay.worker.actor import EngineWorker
 from kvrelay.worker.priority import unniced_ray_env
 from kvrelay.worker.ray_cluster import join_ray_cluster

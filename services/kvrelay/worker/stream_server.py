@@ -1,5 +1,5 @@
 """A worker's output-stream listener (the wire: common/stream_wire.py): one port per worker, one
-connection per router, each carrying one output channel's batches (worker/channel.py).
+connection per router, each carrying one output channel's batches (worker/output_channels.py).
 
 It lives on the worker's event loop, where the channels live: a connection's task reads the
 channel's batches and writes each as a frame; when the router hangs up, the channel closes and
@@ -29,7 +29,7 @@ from kvrelay.common.stream_wire import (
 )
 
 if TYPE_CHECKING:
-    from kvrelay.worker.channel import OutputChannel
+    from kvrelay.worker.output_channels import OutputChannel
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The router's end of a worker's output channel (router/channel.py) over fake worker actors
+"""The router's end of a worker's output channel (router/worker_channels.py) over fake worker actors
 on the session's Ray cluster: many requests on one channel each get their own tokens, in
 order; a consumer that stops reading stalls no other; a worker that dies ends every stream on
 its channel with an error the relay migrates on; the next request opens a fresh channel."""
@@ -14,9 +14,9 @@ import ray
 from kvrelay.common.messages import ChannelItem, EngineRequest
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import RouterConfig
-from kvrelay.router.channel import ChannelClosedError, Channels, Inbox, WorkerChannel
 from kvrelay.router.local import local_router
 from kvrelay.router.types import GenerateRequest
+from kvrelay.router.worker_channels import ChannelClosedError, Channels, Inbox, WorkerChannel
 from tests.router.fake_worker import FakeState, FakeWorker, model_tokens
 from tests.worker.conftest import worker_ray
 

@@ -1,4 +1,4 @@
-"""A worker's output channel (worker/channel.py) in-process, on one event loop: many streams
+"""A worker's output channel (worker/output_channels.py) in-process, on one event loop: many streams
 batched into one, each stream's items in order under its own tag, failures as the router's
 words, and a closed channel aborting what still runs."""
 
@@ -18,8 +18,8 @@ from kvrelay.common.messages import (
 )
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.common.stream_wire import read_batch
-from kvrelay.router.channel import connect
-from kvrelay.worker.channel import OutputChannel, failure_item
+from kvrelay.router.worker_channels import connect
+from kvrelay.worker.output_channels import OutputChannel, failure_item
 from tests.worker.scripted_endpoint import ScriptedEndpoint
 
 

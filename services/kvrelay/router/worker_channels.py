@@ -1,4 +1,4 @@
-"""The router's end of the workers' output channels (worker/channel.py).
+"""The router's end of the workers' output channels (worker/output_channels.py).
 
 One long-lived connection per worker (worker/stream_server.py) carries, per batch, the deltas
 of every request this router runs there; a reader task on the router's event loop
