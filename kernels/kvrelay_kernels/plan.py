@@ -12,6 +12,7 @@ a device tensor would be a sync. That is also where slots are bounds-checked (`n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -47,8 +48,8 @@ class AttentionPlan:
     # (the common all-decode step needs no gather or scatter of queries).
     decode_token_idx: torch.Tensor | None
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    # (No padding mask: the torch reference derives one from `decode_lens`; the kernels read
-    # the lengths. Built here it was a [decodes, context] host tensor uploaded every step.)
+    # (The reference's padding mask is `decode_mask`, derived from `decode_lens` on first use:
+    # built with the plan it was a [decodes, context] host tensor uploaded every step.)
     decode_context: int  # keys each decode reads (padded to the longest)
     prefills: tuple[PrefillChunk, ...]
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context of each decode
@@ -74,6 +75,18 @@ class AttentionPlan:
     # preallocated fp32 scratch it needs, so a captured launch never changes shape.
     decode_partitions: int = 0
     decode_workspace: torch.Tensor | None = None
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """`[decodes, 1, 1, context]` bool: which of the padded context each decode reads, for
+        the torch reference (the kernels read `decode_lens`). Built on first use, once per
+        plan, on the lengths' device; None when every decode reads all of it (known on the
+        host only: reading a device value would be a sync)."""
+        lens, context = self.decode_lens, self.decode_context
+        if lens is None or (lens.device.type == "cpu" and int(lens.min()) == context):
+            return None
+        positions = torch.arange(context, device=lens.device)
+        return (positions.unsqueeze(0) < lens.unsqueeze(1)).view(lens.shape[0], 1, 1, context)
 
     @property
     def has_decodes(self) -> bool:

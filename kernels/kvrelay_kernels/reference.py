@@ -174,18 +174,8 @@ def _decode_attention(
     # The query heads of one KV head become that head's `group` query rows: GQA without
     # repeating K/V. q: [seqs, kv_heads, group, head_dim]
     q = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=_decode_mask(plan), scale=scale)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
-
-
-def _decode_mask(plan: AttentionPlan) -> torch.Tensor | None:
-    """`[decodes, 1, 1, context]` bool: which of the padded context each decode reads. None
-    when every decode reads all of it (known on the host only: a device read is a sync)."""
-    lens, context = plan.decode_lens, plan.decode_context
-    if lens is None or (lens.device.type == "cpu" and int(lens.min()) == context):
-        return None
-    positions = torch.arange(context, device=lens.device)
-    return (positions.unsqueeze(0) < lens.unsqueeze(1)).view(lens.shape[0], 1, 1, context)
 
 
 def _chunk_attention(

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -35,13 +36,13 @@ class IsolatedSample(NamedTuple):
 
 
 def sample_isolating(
-    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], names: Sequence[str]
+    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], requests: Sequence[Request]
 ) -> IsolatedSample:
     """Sample every row of `logits` [S, V], keeping apart the rows that cannot be sampled.
 
     The batch is sampled at once; only when that raises is each row re-run alone (cost: S
     single-row samples, once per failing step). A row that fails alone is a culprit, logged
-    with its traceback under `names[i]` (its request id). If no row fails alone the batched
+    with its traceback under its request's id. If no row fails alone the batched
     failure was not any request's doing: every row keeps its single-row sample. The batched
     path returns the sampler's own lists: nothing is built per row.
     """
@@ -54,7 +55,7 @@ def sample_isolating(
             len(rows),
             exc_info=True,
         )
-        return _sample_each_alone(sampler, logits, rows, uniforms, names)
+        return _sample_each_alone(sampler, logits, rows, uniforms, requests)
     return IsolatedSample(out.token_ids, out.logprobs, [])
 
 
@@ -63,13 +64,14 @@ def _sample_each_alone(
     logits: torch.Tensor,
     rows: Sequence[SamplingRow],
     uniforms: torch.Tensor,
-    names: Sequence[str],
+    requests: Sequence[Request],
 ) -> IsolatedSample:
     result = IsolatedSample([], [], [])
-    for i, name in enumerate(names):
+    for i, request in enumerate(requests):
         try:
             out = sampler.sample(logits[i : i + 1], rows[i : i + 1], uniforms[i : i + 1])
         except Exception:
+            name = request.request_id
             logger.exception("request %s: sampling failed; failing this request alone", name)
             result.token_ids.append(-1)
             result.logprobs.append(None)

@@ -14,7 +14,7 @@ from kvrelay.common.detokenizer import IncrementalDetokenizer, Tokenizer
 from kvrelay.common.messages import KVHandle, samples_of
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
-from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.request import Request
 
 
 @dataclass
@@ -73,8 +73,8 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         children = self.children
-        if len(children) == 1:
-            return children[0].status > RequestStatus.PREEMPTED  # Request.is_finished
+        if len(children) == 1:  # every step, for every running request: no generator
+            return children[0].is_finished
         return all(child.is_finished for child in children)
 
     def detokenize(self, index: int, token_id: int) -> str | None:

@@ -280,7 +280,6 @@ class ModelRunner:
             )
             for r in requests
         ]
-        names = [r.request_id for r in requests]
-        samples = sample_isolating(self.sampler, logits, rows, names)
+        samples = sample_isolating(self.sampler, logits, rows, requests)
         failed = [requests[i] for i in samples.failed]
         return StepResult(requests, samples.token_ids, samples.logprobs, failed)

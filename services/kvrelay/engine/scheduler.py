@@ -187,12 +187,7 @@ class Scheduler:
         size = 1 if left == 1 else self._chunk_size(request, budget)
         if size == 0 or not self._allocate_or_preempt(request, start + size, out):
             return budget
-        if size == left:  # the chunk reaches the last token: it samples
-            forks = self._forks
-            its_forks = tuple(forks.get(request.request_id, ())) if forks else ()
-            out.chunks.append(ScheduledChunk(request, start, size, True, its_forks))
-        else:
-            out.chunks.append(ScheduledChunk(request, start, size, False))
+        out.chunks.append(self._chunk(request, size))
         return budget - size
 
     def _allocate_or_preempt(self, request: Request, total: int, out: SchedulerOutput) -> bool:
@@ -250,8 +245,8 @@ class Scheduler:
             budget -= size
 
     def _chunk(self, request: Request, size: int) -> ScheduledChunk:
-        forks = self._forks.get(request.request_id, ())
-        return ScheduledChunk.of(request, size, tuple(forks))
+        forks = self._forks.get(request.request_id) if self._forks else None
+        return ScheduledChunk.of(request, size, tuple(forks) if forks else ())
 
     def update_after_step(self, chunks: Iterable[ScheduledChunk]) -> None:
         """Record that the chunks' tokens are now in the KV cache, cache the blocks they
