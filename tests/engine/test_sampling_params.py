@@ -85,6 +85,7 @@ INVALID: list[tuple[str, Any, str]] = [
     ("logit_bias", {5: -101}, "[-100, 100]"),
     ("logit_bias", {5: float("inf")}, "finite"),
     ("logit_bias", {5: "1"}, "number"),
+    ("structured_outputs", {"json": {}}, "StructuredOutputs or None"),
     ("logit_bias", {"5": 1.0}, "int"),
     ("logit_bias", {True: 1.0}, "int"),
     ("logit_bias", {2**63: 1.0}, "64-bit"),

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.common.structured_outputs import StructuredOutputs
+
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -81,6 +83,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # (token id, bias) pairs; a {token id: bias} mapping is accepted too.
     logit_bias: Sequence[tuple[int, float]] = field(default=())
+    # What the output must match (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Floats are normalised (an int 0 becomes 0.0) so equality and hashing behave.
@@ -106,6 +110,10 @@ class SamplingParams:
             _check_bool("skip_special_tokens", self.skip_special_tokens),
         )
         set_(self, "logit_bias", self._logit_bias())
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputs or None")
 
     # --- validators: each returns the normalised value or raises ValueError --------------------
 
