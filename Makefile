@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: setup model serve test lint typecheck kernels-check pytest prometheus bench clean
 
 $(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvrelay needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + ": run make PYTHON=python3.11 (or newer)")'
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)

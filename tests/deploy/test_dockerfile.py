@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import yaml
 
 from tests.deploy.schemas import CHART, ROOT

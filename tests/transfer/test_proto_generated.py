@@ -15,10 +15,10 @@ import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
-import tomllib
 from packaging.requirements import Requirement
 
 from tests.transfer.pinned_venv import (
