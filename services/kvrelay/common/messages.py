@@ -233,6 +233,17 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's logprob (vLLM's prompt_logprobs): the token at this position, its
+    logprob and rank (1: the most likely) given the tokens before it, and the top k there."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # the top-k (token id, logprob), best first
+
+
+@dataclass(frozen=True)
 class SampleDelta:
     """One sample's news from one engine step: its new tokens, and its finish once it has one."""
 
@@ -262,6 +273,9 @@ class OutputDelta:
     # "arrival_time" and, once a token exists, "first_token_time" (time.monotonic() seconds
     # on the worker's clock).
     metrics: dict[str, float] = field(default_factory=dict)
+    # With params.prompt_logprobs, once (with the first token): one entry per prompt token
+    # from the second on (the first has no context to be scored in).
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ class SamplingParams:
     logit_bias: Sequence[tuple[int, float]] = field(default=())
     # What the output must match (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's prompt_logprobs: each prompt token's logprob (and rank) plus the top k at its
+    # position (None: not computed; a request that asks skips the prefix cache).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Floats are normalised (an int 0 becomes 0.0) so equality and hashing behave.
@@ -110,6 +113,7 @@ class SamplingParams:
             _check_bool("skip_special_tokens", self.skip_special_tokens),
         )
         set_(self, "logit_bias", self._logit_bias())
+        set_(self, "prompt_logprobs", self._prompt_logprobs())
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputs
         ):
@@ -204,6 +208,14 @@ class SamplingParams:
         k = _check_int64("logprobs", self.logprobs)
         if not 0 <= k <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {k}")
+        return k
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None:
+            return None
+        k = _check_int64("prompt_logprobs", self.prompt_logprobs)
+        if not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {k}")
         return k
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:

@@ -20,6 +20,7 @@ from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.parent_request import ParentRequest
+from kvrelay.engine.prompt_logprobs import take_scores
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
 from kvrelay.engine.runner import CausalLMModel, ModelRunner, StepResult
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, skip_seeded_draws
@@ -281,6 +282,7 @@ class Engine:
         plan = self.scheduler.schedule()
         result = self._execute(plan) if not plan.is_empty else StepResult.empty()
         touched, self._finished_outside_step = self._finished_outside_step, {}
+        take_scores(result.prompt_scores)
         for request in result.failed:
             parent = self._fail(request, SAMPLING_FAILED)
             touched[parent.request_id] = parent

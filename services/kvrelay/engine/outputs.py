@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvrelay.common.messages import KVHandle
+from kvrelay.common.messages import KVHandle, PromptLogprob
 
 
 @dataclass
@@ -44,3 +44,6 @@ class RequestOutput:
     # Set when the engine failed this request alone (finished, every sample aborted, its blocks
     # freed): a message for the client. The worker raises it as RequestFailedError.
     error: str | None = None
+    # With params.prompt_logprobs, once every prompt token is scored: an entry per prompt
+    # token from the second on (vLLM's list without its leading None).
+    prompt_logprobs: list[PromptLogprob] | None = None

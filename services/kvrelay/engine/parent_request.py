@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.common.detokenizer import IncrementalDetokenizer, Tokenizer
-from kvrelay.common.messages import KVHandle, samples_of
+from kvrelay.common.messages import KVHandle, PromptLogprob, samples_of
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request
@@ -101,7 +101,15 @@ class ParentRequest:
             self.metrics(),
             self.kv_handle,
             self.error,
+            self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> list[PromptLogprob] | None:
+        """Every prompt token's entry once all are scored (by whichever sample prefilled)."""
+        if self.children[0].sampling_params.prompt_logprobs is None:
+            return None
+        scored = max((child.prompt_logprobs for child in self.children), key=len)
+        return scored if len(scored) == len(self.prompt_token_ids) - 1 else None
 
     @staticmethod
     def _completion(

@@ -12,9 +12,11 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvrelay.common.messages import PromptLogprob
 from kvrelay.common.sampling_params import SamplingParams, check_vocab
 
 _arrival_counter = itertools.count()
@@ -63,6 +65,10 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    # Structured outputs: this sample's llguidance matcher, advanced by each token appended
+    # (None without a constraint, and while its grammar compiles). Kept across preemption:
+    # the tokens it has read are kept too.
+    matcher: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     # Top-n logprobs per output token, when sampling_params.logprobs is set.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -83,6 +89,9 @@ class Request:
     num_cached_tokens: int = 0
     # time.monotonic() when the first output token was appended.
     first_token_time: float | None = None
+    # With sampling_params.prompt_logprobs: entries for prompt tokens 1, 2, ... scored so far
+    # (engine/prompt_logprobs.py).
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

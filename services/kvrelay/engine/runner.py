@@ -18,6 +18,7 @@ import torch
 
 from kvrelay.engine.cuda_graphs import DecodeGraphs
 from kvrelay.engine.isolation import sample_isolating
+from kvrelay.engine.prompt_logprobs import PromptScores, score_prompts, scored_rows
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
 from kvrelay.engine.scheduler import ScheduledChunk
@@ -55,10 +56,12 @@ class StepResult(NamedTuple):
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
     failed: list[Request]
+    # Prompt tokens scored this step, for requests with prompt_logprobs (prompt_logprobs.py).
+    prompt_scores: Sequence[PromptScores] = ()
 
     @classmethod
-    def empty(cls) -> StepResult:
-        return cls([], [], [], [])
+    def empty(cls, prompt_scores: Sequence[PromptScores] = ()) -> StepResult:
+        return cls([], [], [], [], prompt_scores)
 
 
 @dataclass(frozen=True)
@@ -262,9 +265,11 @@ class ModelRunner:
             self.model.backend.copy_blocks(self.kv_cache, step.copy_src, step.copy_dst)
         inputs = step.inputs
         hidden = self.forward(inputs)
+        scored = scored_rows(chunks)  # prompt_logprobs: only requests that ask pay
+        scores = score_prompts(scored, hidden, self.model.compute_logits) if scored else ()
         sampled_chunks = [chunk for chunk in chunks if chunk.samples]
         if not sampled_chunks:
-            return StepResult.empty()
+            return StepResult.empty(scores)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [r for c in sampled_chunks for r in (c.request, *c.forks)]
         if step.logits_rows is not None:
@@ -277,9 +282,10 @@ class ModelRunner:
                 r.output_token_ids,
                 r.generator,
                 r.eos_token_ids,
+                r.matcher,
             )
             for r in requests
         ]
         samples = sample_isolating(self.sampler, logits, rows, requests)
         failed = [requests[i] for i in samples.failed]
-        return StepResult(requests, samples.token_ids, samples.logprobs, failed)
+        return StepResult(requests, samples.token_ids, samples.logprobs, failed, scores)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
+from kvrelay.engine.prompt_logprobs import cacheable_blocks
 from kvrelay.engine.request import Request, RequestStatus
 
 # Order of service (Request.scheduling_key), read in C by `sorted`.
@@ -225,6 +226,8 @@ class Scheduler:
                 return
             assert request.num_computed_tokens == 0, "a waiting request holds no KV"
             cached = self.kv_cache.find_cached_prefix(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                cached = cacheable_blocks(request, cached, self.kv_cache.block_size)
             num_cached = len(cached) * self.kv_cache.block_size
             request.num_computed_tokens = num_cached
             size = self._chunk_size(request, budget)

@@ -35,6 +35,7 @@ class DeltaTracker:
         # sample index -> tokens already sent (a resumed n = 1 request: those it came with)
         self._sent: dict[int, int] = {0: already_sent} if already_sent else {}
         self._done: set[int] = set()  # samples whose finish was sent
+        self._prompt_sent = False  # prompt_logprobs go once
 
     def delta(self, output: RequestOutput) -> OutputDelta:
         samples = []
@@ -57,6 +58,9 @@ class DeltaTracker:
                     sample.stop_reason,
                 )
             )
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and not self._prompt_sent:
+            prompt_logprobs, self._prompt_sent = output.prompt_logprobs, True
         return OutputDelta(
             output.request_id,
             samples,
@@ -65,4 +69,5 @@ class DeltaTracker:
             int(output.metrics.get("num_cached_tokens", 0)),
             output.kv_handle,
             dict(output.metrics),
+            prompt_logprobs,
         )
