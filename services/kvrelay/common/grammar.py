@@ -72,9 +72,14 @@ def check_grammar(constraint: StructuredOutputs, tokenizer: Any | None = None) -
         raise GrammarError(error.strip())
 
 
-def ll_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
+def ll_tokenizer(
+    hf_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...] | None = None
+) -> Any:
     """An llguidance LLTokenizer of a Hugging Face tokenizer, `vocab_size` wide (the model's
-    logits may be wider than the tokenizer's vocabulary: padding ids are never allowed)."""
+    logits may be wider than the tokenizer's vocabulary: padding ids are never allowed).
+    `eos_token_ids` (default: the tokenizer's EOS) are the tokens that may end a complete
+    output: an engine passes its model's, which may name more than the tokenizer does."""
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    eos = list(eos_token_ids) if eos_token_ids else None
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)

@@ -10,11 +10,12 @@ import importlib.util
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.grammar_mask import masked_logits
 from kvrelay.engine.penalties import (
     apply_logit_bias,
     apply_presence_frequency_penalties,
@@ -52,6 +53,8 @@ class SamplingRow(NamedTuple):
     output_token_ids: Sequence[int]  # tokens generated so far by this sequence
     generator: torch.Generator | None  # per-request seeded CPU RNG (None: the batch RNG)
     eos_token_ids: tuple[int, ...]  # the model's EOS ids (min_tokens masks them)
+    # Structured outputs: the sample's llguidance matcher (read here, advanced by the engine)
+    matcher: Any = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class SamplerOutput:
 class Sampler:
     """Chooses the next token of every row, in this order (vLLM V1's):
 
+    0. rows with a grammar (structured outputs): every token it refuses -> -inf, first, so
+       that everything below, logprobs included, sees only what the grammar allows;
     1. logprobs come from the raw logits (log_softmax before any penalty or temperature);
     2. min_tokens: while fewer than min_tokens were generated, EOS and stop_token_ids -> -inf
        (EOS even with ignore_eos, as vLLM does);
@@ -130,8 +135,15 @@ class Sampler:
         """`sample` up to its sync: the [S] int64 token ids and the raw logprobs of the rows
         that asked for them, all on the logits' device (nothing read back to the host)."""
         params = [r.params for r in rows]
+        grammar_rows = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if grammar_rows:  # a masked copy; min_tokens is applied there for these rows
+            logits = masked_logits(logits, rows, grammar_rows)
         raw_logprobs = self._raw_logprobs(logits, params)
-        min_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        min_rows = [
+            i
+            for i, r in enumerate(rows)
+            if len(r.output_token_ids) < r.params.min_tokens and r.matcher is None
+        ]
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
