@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay.router.prompts import chat_messages, prompt_token_ids, sampling_params
+from kvrelay.common.structured_outputs import StructuredOutputs
+from kvrelay.router.prompts import (
+    chat_messages,
+    output_constraint,
+    prompt_token_ids,
+    sampling_params,
+)
 from kvrelay.router.request_errors import InvalidRequestError
 from kvrelay.router.router import Router
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage, new_request_id
@@ -60,6 +66,9 @@ async def to_request(message: Any, router: Router, timeout_s: float | None) -> G
     fields["stop_token_ids"] = list(options.stop_token_ids)
     fields["ignore_eos"] = options.ignore_eos
     fields["logit_bias"] = dict(options.logit_bias)
+    fields["structured_outputs"], param = _constraint(options)
+    if param is not None:
+        names["structured_outputs"] = param
     if not options.HasField("max_tokens"):
         fields["max_tokens"] = 16  # the proto's documented default
     label = message.request_id or None
@@ -77,6 +86,20 @@ async def to_request(message: Any, router: Router, timeout_s: float | None) -> G
         label=label,
         field_names=names,
     )
+
+
+def _constraint(options: Any) -> tuple[StructuredOutputs | None, str | None]:
+    """The `structured_outputs` message through the validator HTTP uses (its oneof's field
+    names are StructuredKind's values)."""
+    if not options.HasField("structured_outputs"):
+        return None, None
+    message = options.structured_outputs
+    which = message.WhichOneof("constraint")
+    if which is None:
+        return None, None
+    value = list(message.choice.values) if which == "choice" else getattr(message, which)
+    param = f"sampling.structured_outputs.{which}"
+    return output_constraint([(param, which, value)], message.any_whitespace)
 
 
 async def _prompt(

@@ -37,6 +37,7 @@ class GenerationService:
             self._authenticate(context)
             request = _parse(pb.GenerateRequest, raw)
             greq = await to_request(request, self.router, context.time_remaining())
+            await self.router.check_output_constraint(greq)
             ticket = self.router.admit(greq)
             top_k = greq.params.logprobs or 0
             chunks = self.router.generate(greq, ticket)

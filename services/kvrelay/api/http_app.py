@@ -108,7 +108,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         else:
             text, ids = None, prompt_token_ids(prompt)
         fields = body.sampling_fields(body.max_tokens, body.logprobs)
-        greq = _request(body, ids, text, fields, body.max_tokens, {})
+        greq = _request(body, ids, text, fields, body.max_tokens, body.field_names)
         fmt = OpenAIFormatter(
             greq.request_id, router.model.id, False, tokenizer, body.logprobs or 0
         )
@@ -160,10 +160,12 @@ async def _respond(
     want_logprobs: bool,
 ) -> Response:
     # Refuse bad input and overload with a status line, before any stream starts.
+    await router.check_output_constraint(greq)
     ticket = router.admit(greq)
     chunks: AsyncIterator[GenerateChunk] = router.generate(greq, ticket)
     if body.stream:
-        events = fmt.sse(chunks, body.include_usage, want_logprobs)
+        running = len(greq.prompt_token_ids) if body.continuous_usage else None
+        events = fmt.sse(chunks, body.include_usage, want_logprobs, running)
         return EventStreamResponse(events, on_close=ticket.release)
     try:
         whole = await until_disconnected(request, fmt.whole(chunks, body.n, want_logprobs))

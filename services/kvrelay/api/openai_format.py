@@ -89,18 +89,25 @@ class OpenAIFormatter:
         chunks: AsyncIterator[GenerateChunk],
         include_usage: bool,
         want_logprobs: bool,
+        running_usage: int | None = None,
     ) -> AsyncGenerator[str, None]:
         """Server-sent events, ending with `data: [DONE]`; a failure mid-stream becomes an
-        error event (the status line has gone out already)."""
+        error event (the status line has gone out already). With `running_usage` (the prompt's
+        token count: vLLM's continuous_usage_stats) every chunk carries the usage so far."""
         started: set[int] = set()
         offsets: dict[int, int] = {}
+        generated = 0
         try:
             async for chunk in chunks:
                 choices = [
                     self._stream_choice(d, started, offsets, want_logprobs) for d in chunk.choices
                 ]
+                generated += sum(len(d.token_ids) for d in chunk.choices)
+                so_far: Usage | bool | None = None if not include_usage else False
+                if running_usage is not None:
+                    so_far = Usage(running_usage, generated)
                 if choices:
-                    yield self._event(choices, None if not include_usage else False)
+                    yield self._event(choices, so_far)
                 if chunk.usage is not None and include_usage:
                     yield self._event([], chunk.usage)
         except RouterError as exc:

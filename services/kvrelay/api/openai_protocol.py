@@ -1,31 +1,21 @@
-"""OpenAI request bodies (with vLLM's extra sampling fields), validated by pydantic.
+"""OpenAI request bodies (with vLLM's extra fields), validated by pydantic.
 
-Unknown fields are accepted and ignored, as vLLM does, so newer clients keep working; fields
-we cannot honour (tools, echo, suffix, best_of > n) are refused with a 400 rather
-than silently ignored. An explicit JSON null means the field's default, as OpenAI and vLLM
-read it. pydantic only parses JSON types here; the rules live in kvrelay.router.prompts,
-shared with the gRPC API.
+No field is silently ignored: a field is implemented by declaring it here, and any other is
+refused with a 400 naming it (kvrelay.api.openai_body). An explicit JSON null means the field's
+default, as OpenAI and vLLM read it. pydantic only parses JSON types here; the rules live in
+kvrelay.router.prompts, shared with the gRPC API.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
-
+from kvrelay.api.openai_body import Accepted, RequestBody
+from kvrelay.api.openai_structured import StructuredFields
 from kvrelay.router.request_errors import InvalidRequestError
 
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+_Body = RequestBody  # every request model's base: undeclared fields are refused
 
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
@@ -51,12 +41,29 @@ def token_biases(raw: dict[str, float] | None) -> dict[int, float] | None:
 
 
 class StreamOptions(_Body):
+    accepted_values: ClassVar[Accepted] = {"include_obfuscation": (False,)}
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) in every streamed chunk
 
 
-class _Sampling(_Body):
-    """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
+# Undeclared fields both endpoints accept at the one value that changes nothing here.
+_ACCEPTED_VALUES: Accepted = {
+    "store": (False,),  # nothing is stored: metadata, which only labels stored ones, is refused
+    "service_tier": ("auto", "default"),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "priority": (0,),
+    "max_repetition_pattern_size": (0,),
+    "min_repetition_pattern_size": (0,),
+    "repetition_min_count": (0,),
+}
+
+
+class _Sampling(StructuredFields):
+    """Fields common to both endpoints: OpenAI's, then vLLM's extras (the structured-output
+    ones in StructuredFields)."""
+
+    accepted_values: ClassVar[Accepted] = _ACCEPTED_VALUES
 
     model: str | None = None
     n: int = 1
@@ -68,7 +75,8 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end user's id, for the client's own records (not acted on)
+    safety_identifier: str | None = None  # OpenAI's newer name for the same
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
     top_k: int | None = None
@@ -82,6 +90,10 @@ class _Sampling(_Body):
 
     def check_supported(self) -> None:
         """Refuse fields we cannot honour (InvalidRequestError naming the field)."""
+        self.refuse_unknown()
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options needs stream set to true", "stream_options")
+        self.check_constraint()
 
     def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -103,14 +115,25 @@ class _Sampling(_Body):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": token_biases(self.logit_bias),
+            "structured_outputs": self.output_constraint,
         }
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """Wire names of SamplingParams fields spelled differently here."""
+        return self.constraint_names
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Sampling):
+    accepted_values: ClassVar[Accepted] = {**_ACCEPTED_VALUES, "add_special_tokens": (True,)}
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -146,6 +169,13 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
+    accepted_values: ClassVar[Accepted] = {
+        **_ACCEPTED_VALUES,
+        "modalities": (["text"],),
+        "include_reasoning": (True,),  # this model writes no separate reasoning
+        "continue_final_message": (False,),
+        "add_special_tokens": (False,),
+    }
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -175,7 +205,7 @@ class ChatCompletionRequest(_Sampling):
     @property
     def field_names(self) -> dict[str, str]:
         """Wire names of SamplingParams fields that chat spells differently."""
-        names = {"logprobs": "top_logprobs", "prompt": "messages"}
+        names = {**super().field_names, "logprobs": "top_logprobs", "prompt": "messages"}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names

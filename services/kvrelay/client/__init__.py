@@ -35,6 +35,7 @@ from kvrelay.client.types import (
     TopLogprob,
     Usage,
 )
+from kvrelay.common.structured_outputs import StructuredOutputs
 
 __all__ = [
     "AsyncClient",
@@ -57,6 +58,7 @@ __all__ = [
     "RetryEvent",
     "RetryPolicy",
     "Stream",
+    "StructuredOutputs",
     "TokenLogprob",
     "TopLogprob",
     "UnavailableError",

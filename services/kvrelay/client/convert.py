@@ -7,6 +7,7 @@ so that the client and the server can never disagree about them.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from kvrelay.client.types import (
     TopLogprob,
     Usage,
 )
+from kvrelay.common.structured_outputs import StructuredOutputs
 from kvrelay.v1 import generation_pb2 as pb
 
 __all__ = [
@@ -52,8 +54,16 @@ _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
 _LIST_FIELDS = ("stop", "stop_token_ids")
 _MAP_FIELDS = ("logit_bias",)
 SAMPLING_FIELDS: frozenset[str] = frozenset(
-    _UINT_FIELDS + _INT_FIELDS + _FLOAT_FIELDS + _BOOL_FIELDS + _LIST_FIELDS + _MAP_FIELDS
+    _UINT_FIELDS
+    + _INT_FIELDS
+    + _FLOAT_FIELDS
+    + _BOOL_FIELDS
+    + _LIST_FIELDS
+    + _MAP_FIELDS
+    + ("structured_outputs",)
 )
+# structured_outputs as a dict: one constraint (vLLM's names) and, optionally, any_whitespace.
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -126,6 +136,8 @@ def sampling_options(sampling: Mapping[str, Any]) -> pb.SamplingOptions:
             if not all(isinstance(s, str) for s in stops):
                 raise InvalidArgumentError(f"stop must be strings, got {value!r}")
             options.stop.extend(stops)
+        elif name == "structured_outputs":
+            options.structured_outputs.CopyFrom(structured_outputs(value))
         elif name == "logit_bias":
             if not isinstance(value, Mapping):
                 raise InvalidArgumentError(f"logit_bias must be a dict, got {value!r}")
@@ -135,6 +147,45 @@ def sampling_options(sampling: Mapping[str, Any]) -> pb.SamplingOptions:
             ids = [_int(name, i, 0, _UINT32_MAX) for i in _sequence(name, value)]
             options.stop_token_ids.extend(ids)
     return options
+
+
+def structured_outputs(value: object) -> pb.StructuredOutputs:
+    """A `StructuredOutputs` (kvrelay.common.structured_outputs) or a dict holding one of
+    json (a schema: dict or JSON text), json_object, regex, choice (a list of strings) or
+    grammar, and optionally any_whitespace -> the `StructuredOutputs` message."""
+    if isinstance(value, StructuredOutputs):
+        spec: object = value.choices if value.kind == "choice" else value.spec
+        fields = {value.kind.value: spec or True, "any_whitespace": value.whitespace_flexible}
+    elif isinstance(value, Mapping):
+        fields = dict(value)
+    else:
+        raise InvalidArgumentError(
+            f"structured_outputs must be a StructuredOutputs or a dict, got {value!r}"
+        )
+    unknown = sorted(set(fields) - {*_CONSTRAINTS, "any_whitespace"})
+    kinds = [k for k in _CONSTRAINTS if fields.get(k) is not None]
+    if unknown or len(kinds) != 1:
+        raise InvalidArgumentError(
+            f"structured_outputs holds exactly one of {', '.join(_CONSTRAINTS)} "
+            f"(and optionally any_whitespace), got {sorted(fields)}"
+        )
+    kind, spec = kinds[0], fields[kinds[0]]
+    flexible = _bool("any_whitespace", fields.get("any_whitespace", False))
+    message = pb.StructuredOutputs(any_whitespace=flexible)
+    if kind == "choice":
+        choices = list(_sequence("structured_outputs.choice", spec))
+        if not all(isinstance(c, str) for c in choices):
+            raise InvalidArgumentError(f"structured_outputs.choice must be strings, got {spec!r}")
+        message.choice.values.extend(choices)
+    elif kind == "json_object":
+        message.json_object = _bool("structured_outputs.json_object", spec)
+    elif kind == "json" and not isinstance(spec, str):
+        message.json = json.dumps(spec, ensure_ascii=False)
+    elif isinstance(spec, str):
+        setattr(message, kind, spec)
+    else:
+        raise InvalidArgumentError(f"structured_outputs.{kind} must be text, got {spec!r}")
+    return message
 
 
 def _sequence(name: str, value: object) -> Iterable[Any]:

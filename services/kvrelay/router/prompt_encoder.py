@@ -51,6 +51,10 @@ class PromptEncoder:
             )
         return await self._run(_render, self.tokenizer, list(messages), add_generation_prompt)
 
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer's thread, for other code that reads the tokenizer."""
+        return await self._run(fn, *args)
+
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 

@@ -8,10 +8,12 @@ SamplingParams and Router.check_request, so both APIs refuse exactly the same re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.structured_outputs import StructuredKind, StructuredOutputs
 from kvrelay.router.request_errors import InvalidRequestError
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
@@ -98,3 +100,66 @@ def prompt_token_ids(ids: Sequence[Any], param: str = "prompt") -> list[int]:
     if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
         raise InvalidRequestError(f"{param} must be text or a list of token ids", param)
     return list(ids)
+
+
+# --- structured outputs (issue 39): one constraint per request, from whichever field sent it ---
+
+# Names of the grammar engine vLLM clients may ask for (`guided_decoding_backend`): ours.
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+def output_constraint(
+    candidates: Sequence[tuple[str, str, Any]], whitespace_flexible: bool = False
+) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's structured-outputs constraint and the field that sent it, from the
+    `(field, kind, value)` candidates the wire layer found set (kind: a StructuredKind value;
+    value: a JSON schema as a dict, bool or JSON text, a pattern, a grammar, a list of strings
+    or, for json_object, True). More than one is refused, naming the second."""
+    if not candidates:
+        return None, None
+    if len(candidates) > 1:
+        first, second = candidates[0][0], candidates[1][0]
+        raise InvalidRequestError(
+            f"{second} and {first} are both set: a request takes one output constraint",
+            second,
+        )
+    param, kind, value = candidates[0]
+    try:
+        return _constraint(kind, value, whitespace_flexible), param
+    except ValueError as exc:
+        reason = str(exc).removeprefix("structured_outputs ")
+        raise InvalidRequestError(f"{param}: {reason}", param) from None
+
+
+def _constraint(kind: str, value: Any, whitespace_flexible: bool) -> StructuredOutputs:
+    if kind == StructuredKind.JSON:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"is not valid JSON: {exc}") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValueError("must be a JSON schema (an object)")
+        return StructuredOutputs.json_schema(value, whitespace_flexible=whitespace_flexible)
+    if kind == StructuredKind.JSON_OBJECT:
+        if value is not True:
+            raise ValueError("json_object must be true when set")
+        return StructuredOutputs(StructuredKind.JSON_OBJECT, "", whitespace_flexible)
+    if kind == StructuredKind.CHOICE:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError("must be a list of strings")
+        return StructuredOutputs.choice(value)
+    if not isinstance(value, str):
+        raise ValueError("must be text")
+    return StructuredOutputs(StructuredKind(kind), value)
+
+
+def check_grammar_backend(name: str, param: str) -> None:
+    """vLLM's backend names that mean our grammar engine (llguidance) pass; others are 400."""
+    backend = name.split(":", 1)[0].strip().lower()
+    if backend not in GRAMMAR_BACKENDS:
+        raise InvalidRequestError(
+            f"{param} {name!r} is not available: this server's grammar engine is llguidance "
+            f"(accepted names: {', '.join(GRAMMAR_BACKENDS)})",
+            param,
+        )

@@ -22,6 +22,7 @@ from kvrelay.common.sampling_params import check_vocab
 from kvrelay.config import DEFAULT_MAX_N, RouterConfig
 from kvrelay.metrics import RouterMetrics
 from kvrelay.router.admission import AdmissionController, Ticket
+from kvrelay.router.constraints import ConstraintChecker
 from kvrelay.router.prompt_encoder import PromptEncoder
 from kvrelay.router.relay import Relay, SampleRun
 from kvrelay.router.request_errors import (
@@ -70,6 +71,7 @@ class Router:
         self.draining = False
         self.max_n = max_n
         self.encoder = PromptEncoder(tokenizer, model.max_model_len)
+        self.constraints = ConstraintChecker(tokenizer, self.encoder.call)
         # Added tokens included; once, not per request. None: served on token ids alone.
         self._vocab_size = len(tokenizer) if tokenizer is not None else None
 
@@ -108,6 +110,11 @@ class Router:
         self._check_samples(request)
         if request.params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need the model's tokenizer", "stop")
+
+    async def check_output_constraint(self, request: GenerateRequest) -> None:
+        """A structured-output constraint that cannot compile -> InvalidRequestError naming
+        its field; call before `admit` (compiled once per constraint, off the event loop)."""
+        await self.constraints.check(request)
 
     def _check_prompt(self, request: GenerateRequest) -> None:
         num_prompt, prompt = len(request.prompt_token_ids), request.param("prompt")
