@@ -14,6 +14,8 @@ from kvrelay.common.detokenizer import Tokenizer
 from kvrelay.common.messages import EngineRequest, EngineStats, KVHandle, PullPlan, Role
 from kvrelay.common.sampling_params import SamplingParams, check_vocab
 from kvrelay.config import EngineConfig
+from kvrelay.engine.grammar import GrammarCompiler
+from kvrelay.engine.grammar_gate import GrammarGate, advance_matcher
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
 from kvrelay.engine.isolation import SAMPLING_FAILED
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
@@ -29,6 +31,9 @@ from kvrelay.engine.warm_up import warm_up
 from kvrelay_kernels import jit_watch
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run but grammars compiling waits for one (no busy loop).
+GRAMMAR_IDLE_WAIT_S = 0.005
 
 
 class Engine:
@@ -85,6 +90,13 @@ class Engine:
         # Requests finished outside a step (a failed hand-off, a stop at the handed-off first
         # token): the next `step` returns their final outputs.
         self._finished_outside_step: dict[str, ParentRequest] = {}
+        # Structured outputs: requests held while their grammar compiles (grammar_gate.py).
+        model_config = config.model_config
+        self._grammar = GrammarGate(
+            GrammarCompiler(
+                config.model, model_config.vocab_size, model_config.eos_token_ids, tokenizer
+            )
+        )
         self._prompt_tokens = 0
         self._generation_tokens = 0
         logger.info(
@@ -156,12 +168,18 @@ class Engine:
         children = self._register(request)
         if resumed:
             self._resume(children[0], resumed)
+        if request.params.structured_outputs is not None:
+            self._grammar.hold(self._parents[request.request_id], queued=True)
+        else:
+            self._queue(children)
+        return None
+
+    def _queue(self, children: list[Request]) -> None:
         if self.kv_cache.enable_caching:
             self.scheduler.add(children[0], forks=children[1:])
         else:
             for child in children:
                 self.scheduler.add(child)
-        return None
 
     def add_request(
         self,
@@ -241,6 +259,7 @@ class Engine:
         """Stop a request and free its blocks (a held lease too). Returns its final output, or
         None if unknown (or only leased)."""
         self.handoff.cancel(request_id)
+        self._grammar.discard(request_id)
         self._finished_outside_step.pop(request_id, None)
         parent = self._parents.pop(request_id, None)
         if parent is None:
@@ -259,7 +278,9 @@ class Engine:
         """Whether `step` would do something now: requests to run, or outputs to return.
         (Requests waiting for remote KV need a `finish_pull` first.)"""
         scheduler = self.scheduler
-        return bool(scheduler.running or scheduler.waiting or self._finished_outside_step)
+        return bool(
+            scheduler.running or scheduler.waiting or self._finished_outside_step or self._grammar
+        )
 
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule, forward, sample, update.
@@ -279,6 +300,8 @@ class Engine:
                 into copy-on-write blocks is not safe).
         """
         self.handoff.expire_leases()
+        if self._grammar:
+            self._release_compiled()
         plan = self.scheduler.schedule()
         result = self._execute(plan) if not plan.is_empty else StepResult.empty()
         touched, self._finished_outside_step = self._finished_outside_step, {}
@@ -293,6 +316,14 @@ class Engine:
             parent = self._append_token(request, token_id, entry)
             touched[parent.request_id] = parent
         return [self._emit(parent) for parent in touched.values()]
+
+    def _release_compiled(self) -> None:
+        """Requests whose grammar compiled since the last step go on (or fail alone)."""
+        scheduler = self.scheduler
+        if not (scheduler.running or scheduler.waiting or self._finished_outside_step):
+            self._grammar.wait(GRAMMAR_IDLE_WAIT_S)
+        for parent in self._grammar.release(scheduler, self.handoff, self._queue, self.finish_pull):
+            self._finished_outside_step[parent.request_id] = parent
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         tables = [self.kv_cache.block_table(c.request.request_id) for c in plan.chunks]
@@ -324,6 +355,11 @@ class Engine:
         parent, index = self._owner[request.request_id]
         stop_string = parent.detokenize(index, token_id)
         status = request.check_stop()
+        if status is None and request.matcher is not None:
+            verdict = advance_matcher(request.matcher, token_id)
+            if isinstance(verdict, str):  # refused: should not happen under its mask
+                return self._fail(request, verdict)
+            status = verdict  # the grammar complete: it stops here, as at EOS
         if status is None and stop_string is not None:
             request.stop_reason = stop_string
             status = RequestStatus.FINISHED_STOPPED
@@ -374,6 +410,12 @@ class Engine:
         if child.generator is not None and not params.is_greedy:
             skip_seeded_draws(child.generator, 1)  # the prefill engine drew the first token
         plan = None if child.is_finished else self.handoff.admit_prefilled(child, handle)
+        if params.structured_outputs is not None and not child.is_finished:
+            # Held until its grammar compiles: a recompute queued it (no plan): not yet.
+            queued = child.status is RequestStatus.WAITING
+            if queued:
+                self.scheduler.waiting.remove(child)
+            self._grammar.hold(parent, queued=queued)
         if child.is_finished:
             self._finished_outside_step[request.request_id] = parent
         return plan
@@ -381,7 +423,10 @@ class Engine:
     def finish_pull(self, request_id: str, ok: bool) -> None:
         """Decode role: the pull of `request_id`'s plan is over. On success it joins the
         running batch; on failure it recomputes its prompt here (counted, logged), or under
-        kv_transfer_failure="fail" is finished, its final output returned by the next `step`."""
+        kv_transfer_failure="fail" is finished, its final output returned by the next `step`.
+        While its grammar compiles, this is applied once it is compiled."""
+        if self._grammar.defer_pull(request_id, ok):
+            return
         request = self.handoff.finish_pull(request_id, ok)
         if request is not None and request.is_finished:
             self._finished_outside_step[request_id] = self._owner[request_id][0]
