@@ -19,6 +19,7 @@ from kvrelay.api.disconnect import ClientGoneError, EventStreamResponse, until_d
 from kvrelay.api.http_errors import add_error_handlers
 from kvrelay.api.openai_format import OpenAIFormatter
 from kvrelay.api.openai_protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from kvrelay.api.tool_call_parsers import tool_call_parsers
 from kvrelay.router.prompts import chat_messages, prompt_token_ids, sampling_params
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest, new_request_id
@@ -118,13 +119,22 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check_supported()
         router.check_model(body.model)
-        messages = chat_messages(body.template_messages())
-        text, ids = await router.encoder.render_chat(messages, body.add_generation_prompt)
+        tools = body.tool_plan()
+        messages = chat_messages(body.template_messages(), tools=True)
+        text, ids = await router.encoder.render_chat(
+            messages, body.add_generation_prompt, tools.template_tools()
+        )
         names = body.field_names
         fields = body.sampling_fields(body.output_limit, body.num_logprobs)
+        tools.constrain(fields, names)
         greq = _request(body, ids, text, fields, body.output_limit, names)
         fmt = OpenAIFormatter(
-            greq.request_id, router.model.id, True, tokenizer, body.top_logprobs or 0
+            greq.request_id,
+            router.model.id,
+            True,
+            tokenizer,
+            body.top_logprobs or 0,
+            tool_call_parsers(tools),
         )
         return await _respond(router, request, body, greq, fmt, body.logprobs)
 

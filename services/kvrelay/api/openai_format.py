@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from kvrelay.api.tool_calls import ToolCallParser
 from kvrelay.router.request_errors import RouterError
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, TokenLogprob, Usage, collect_chunks
 
@@ -41,9 +42,18 @@ class OpenAIFormatter:
     `/v1/chat/completions` (chat=True)."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, tokenizer: Any, top_logprobs: int = 0
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        tokenizer: Any,
+        top_logprobs: int = 0,
+        tool_parsers: Callable[[], ToolCallParser] | None = None,
     ) -> None:
         self.top_logprobs = top_logprobs  # how many alternatives to show per token
+        # Chat with tools: a tool-call parser per choice (kvrelay.api.tool_call_parsers).
+        self._tool_parsers = tool_parsers
+        self._parsers: dict[int, ToolCallParser] = {}
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.chat = chat
@@ -73,13 +83,18 @@ class OpenAIFormatter:
     def _whole_choice(self, choice: ChoiceDelta, want_logprobs: bool) -> dict[str, Any]:
         logprobs = self._logprobs(choice.logprobs or [], 0) if want_logprobs else None
         out: dict[str, Any] = {"index": choice.index}
+        finish_reason = choice.finish_reason
         if self.chat:
             out["message"] = {"role": "assistant", "content": choice.text}
+            if self._tool_parsers is not None:
+                content, calls = self._tool_parsers().whole(choice.text)
+                out["message"]["content"] = content
+                if calls:
+                    out["message"]["tool_calls"] = calls
+                    finish_reason = _tool_finish(finish_reason)
         else:
             out["text"] = choice.text
-        out.update(
-            logprobs=logprobs, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason
-        )
+        out.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=choice.stop_reason)
         return out
 
     # -- streamed responses --
@@ -141,18 +156,36 @@ class OpenAIFormatter:
         offsets[delta.index] = offset + len(delta.text)
         logprobs = self._logprobs(delta.logprobs or [], offset) if want_logprobs else None
         out: dict[str, Any] = {"index": delta.index}
+        finish_reason = delta.finish_reason
         if self.chat:
             message: dict[str, Any] = {"content": delta.text}
+            if self._tool_parsers is not None:
+                message, finish_reason = self._tool_delta(delta)
             if delta.index not in started:
-                message["role"] = "assistant"
+                message = {"role": "assistant", **message}
                 started.add(delta.index)
             out["delta"] = message
         else:
             out["text"] = delta.text
-        out.update(
-            logprobs=logprobs, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason
-        )
+        out.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason)
         return out
+
+    def _tool_delta(self, delta: ChoiceDelta) -> tuple[dict[str, Any], str | None]:
+        """A chat delta read for tool calls: (its content and tool_calls, finish_reason)."""
+        assert self._tool_parsers is not None
+        parser = self._parsers.get(delta.index)
+        if parser is None:
+            parser = self._parsers[delta.index] = self._tool_parsers()
+        parsed = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            parsed.extend(parser.finish())
+        message: dict[str, Any] = {}
+        if parsed.content or not parsed.calls:
+            message["content"] = parsed.content
+        if parsed.calls:
+            message["tool_calls"] = parsed.openai_calls()
+        finish = delta.finish_reason
+        return message, _tool_finish(finish) if parser.called else finish
 
     # -- logprobs --
 
@@ -186,3 +219,8 @@ class OpenAIFormatter:
         # The engine's entry holds the sampled token as well as the top k: keep the top k.
         out["top_logprobs"] = [item(t, lp) for t, lp in entry.top[: self.top_logprobs]]
         return out
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    """OpenAI's finish_reason of a reply that called tools: "tool_calls" if it ended itself."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

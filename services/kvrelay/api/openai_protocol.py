@@ -11,9 +11,12 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
+from pydantic import PrivateAttr
+
 from kvrelay.api.openai_body import Accepted, RequestBody
 from kvrelay.api.openai_structured import StructuredFields
 from kvrelay.router.request_errors import InvalidRequestError
+from kvrelay.router.tool_requests import ToolPlan, tool_plan
 
 _Body = RequestBody  # every request model's base: undeclared fields are refused
 
@@ -166,6 +169,8 @@ class ChatMessage(_Body):
 
     role: Any = None
     content: Any = None
+    tool_calls: Any = None  # an assistant's calls (router.tool_messages checks them)
+    tool_call_id: Any = None  # a tool message's: the call it answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -182,12 +187,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Tool calling (router.tool_requests checks them; functions / function_call are refused)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", "tools")
+        self.tool_plan()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
@@ -214,5 +224,25 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_plan(self) -> ToolPlan:
+        """The request's tool fields, checked once (InvalidRequestError naming the field)."""
+        if self._tool_plan is None:
+            self._tool_plan = tool_plan(
+                self.tools,
+                self.tool_choice,
+                self.parallel_tool_calls,
+                self.functions,
+                self.function_call,
+            )
+        return self._tool_plan
+
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        messages = []
+        for m in self.messages:
+            message = {"role": m.role, "content": m.content}
+            if m.tool_calls is not None:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages

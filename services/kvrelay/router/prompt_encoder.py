@@ -18,6 +18,11 @@ from typing import Any, TypeVar
 
 from kvrelay.router.prompts import check_text
 from kvrelay.router.request_errors import InvalidRequestError
+from kvrelay.router.tool_messages import (
+    hermes_messages,
+    needs_tool_rendering,
+    template_takes_tools,
+)
 
 T = TypeVar("T")
 # Normalisers may merge characters (NFC joins "e" + U+0301): leave room before refusing.
@@ -40,16 +45,26 @@ class PromptEncoder:
         return list(encoded["input_ids"])
 
     async def render_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """The chat template applied to validated messages (prompts.chat_messages): (text, ids)."""
+        """The chat template applied to validated messages (prompts.chat_messages): (text, ids).
+        `tools` (OpenAI's shape) go to a template that reads them; for one that does not, the
+        tools, calls and results are written into the turns (router.tool_messages)."""
         for i, message in enumerate(messages):
             self._check(message["content"], f"messages.{i}.content")
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequestError(
                 "this model has no chat template: use /v1/completions with plain text", "messages"
             )
-        return await self._run(_render, self.tokenizer, list(messages), add_generation_prompt)
+        if not template_takes_tools(template) and (tools or needs_tool_rendering(messages)):
+            messages, tools = hermes_messages(messages, tools), None
+        return await self._run(
+            _render, self.tokenizer, list(messages), add_generation_prompt, tools
+        )
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer's thread, for other code that reads the tokenizer."""
@@ -76,11 +91,14 @@ class PromptEncoder:
 
 
 def _render(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as exc:  # a template's own raise_exception, e.g. roles out of order
         message = f"the chat template rejected the messages: {exc}"

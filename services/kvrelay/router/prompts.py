@@ -15,10 +15,13 @@ from typing import Any
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.common.structured_outputs import StructuredKind, StructuredOutputs
 from kvrelay.router.request_errors import InvalidRequestError
+from kvrelay.router.tool_messages import tool_fields
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 # OpenAI's chat roles we can render ("developer" is OpenAI's newer name for "system").
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+# With tool calling (the HTTP API): a tool's result, and assistant messages' tool_calls.
+TOOL_CHAT_ROLES = (*CHAT_ROLES, "tool")
 
 
 def sampling_params(
@@ -58,19 +61,24 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+def chat_messages(
+    messages: Sequence[Mapping[str, Any]], tools: bool = False
+) -> list[dict[str, Any]]:
     """Chat messages as the template takes them ({"role", "content"}), each checked: a known
-    role, text content. `content` may be OpenAI's list of {"type": "text", "text"} parts."""
+    role, text content. `content` may be OpenAI's list of {"type": "text", "text"} parts.
+    With `tools` (a wire that carries them): the `tool` role and assistant `tool_calls` too
+    (router.tool_messages)."""
     if not messages:
         raise InvalidRequestError("messages is empty: send at least one message", "messages")
-    return [_chat_message(i, m) for i, m in enumerate(messages)]
+    return [_chat_message(i, m, tools) for i, m in enumerate(messages)]
 
 
-def _chat_message(index: int, message: Mapping[str, Any]) -> dict[str, str]:
+def _chat_message(index: int, message: Mapping[str, Any], tools: bool) -> dict[str, Any]:
     role = message.get("role")
-    if role not in CHAT_ROLES:
+    roles = TOOL_CHAT_ROLES if tools else CHAT_ROLES
+    if role not in roles:
         raise InvalidRequestError(
-            f"messages.{index}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+            f"messages.{index}.role must be one of {', '.join(roles)}, got {role!r}",
             f"messages.{index}.role",
         )
     content = message.get("content")
@@ -79,10 +87,11 @@ def _chat_message(index: int, message: Mapping[str, Any]) -> dict[str, str]:
         content = "".join(_text_part(part, f"{param}.{j}") for j, part in enumerate(content))
     if content is not None and not isinstance(content, str):
         raise InvalidRequestError(f"{param} must be a string or a list of text parts", param)
-    return {
+    checked = {
         "role": "system" if role == "developer" else role,
         "content": check_text(content or "", param),
     }
+    return {**checked, **tool_fields(index, message)} if tools else checked
 
 
 def _text_part(part: Any, param: str) -> str:
