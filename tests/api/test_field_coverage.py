@@ -165,11 +165,11 @@ IMPLEMENTED = {
     "safety_identifier", "response_format", "structured_outputs", "top_k", "min_p",
     "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
     "min_tokens", "skip_special_tokens", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_json_object", "guided_decoding_backend",
+    "guided_grammar", "guided_json_object", "guided_decoding_backend", "prompt_logprobs",
 }  # fmt: skip
 IMPLEMENTED_CHAT = {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                     "add_generation_prompt"}  # fmt: skip
-IMPLEMENTED_COMPLETION = {"prompt", "best_of"}
+IMPLEMENTED_COMPLETION = {"prompt", "best_of", "echo"}
 # Accepted at one value only (a value that changes nothing here): (accepted, refused).
 ACCEPTED_AT: dict[str, tuple[Any, Any]] = {
     "store": (False, True),

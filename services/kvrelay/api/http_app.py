@@ -19,8 +19,10 @@ from kvrelay.api.disconnect import ClientGoneError, EventStreamResponse, until_d
 from kvrelay.api.http_errors import add_error_handlers
 from kvrelay.api.openai_format import OpenAIFormatter
 from kvrelay.api.openai_protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from kvrelay.api.prompt_batch import PromptBatch, completion_batch
+from kvrelay.api.tokenizer_routes import add_tokenizer_routes
 from kvrelay.api.tool_call_parsers import tool_call_parsers
-from kvrelay.router.prompts import chat_messages, prompt_token_ids, sampling_params
+from kvrelay.router.prompts import chat_messages, sampling_params
 from kvrelay.router.router import Router
 from kvrelay.router.types import GenerateChunk, GenerateRequest, new_request_id
 
@@ -48,6 +50,7 @@ def create_http_app(
     _add_model_routes(app, router, v1)
     _add_generation_routes(app, router, v1)
     add_admin_routes(app, router.registry, v1)  # the operator's drain API, same key
+    add_tokenizer_routes(app, router, v1)  # /tokenize, /detokenize, /version, same key
     return app
 
 
@@ -102,18 +105,17 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check_supported()
         router.check_model(body.model)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            ids = await router.encoder.encode(prompt)
-        else:
-            text, ids = None, prompt_token_ids(prompt)
-        fields = body.sampling_fields(body.max_tokens, body.logprobs)
-        greq = _request(body, ids, text, fields, body.max_tokens, body.field_names)
+
+        def make(
+            ids: list[int], text: str | None, fields: dict[str, Any], names: dict[str, str]
+        ) -> GenerateRequest:
+            return _request(body, ids, text, fields, body.max_tokens, names)
+
+        batch = await completion_batch(router, body, make)  # one request per prompt
         fmt = OpenAIFormatter(
-            greq.request_id, router.model.id, False, tokenizer, body.logprobs or 0
+            batch.request_id, router.model.id, False, tokenizer, body.logprobs or 0
         )
-        return await _respond(router, request, body, greq, fmt, body.logprobs is not None)
+        return await _respond(request, body, batch, fmt, body.logprobs is not None)
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -136,7 +138,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
             body.top_logprobs or 0,
             tool_call_parsers(tools),
         )
-        return await _respond(router, request, body, greq, fmt, body.logprobs)
+        return await _respond(request, body, PromptBatch(router, [greq]), fmt, body.logprobs)
 
 
 def _request(
@@ -162,25 +164,26 @@ def _request(
 
 
 async def _respond(
-    router: Router,
     request: Request,
     body: _Sampling,
-    greq: GenerateRequest,
+    batch: PromptBatch,
     fmt: OpenAIFormatter,
     want_logprobs: bool,
 ) -> Response:
-    # Refuse bad input and overload with a status line, before any stream starts.
-    await router.check_output_constraint(greq)
-    ticket = router.admit(greq)
-    chunks: AsyncIterator[GenerateChunk] = router.generate(greq, ticket)
+    # Refuse bad input and overload with a status line, before any stream starts: every
+    # prompt's request (structured-output constraint, then admission) or none.
+    await batch.admit()
+    chunks: AsyncIterator[GenerateChunk] = batch.chunks()
     if body.stream:
-        running = len(greq.prompt_token_ids) if body.continuous_usage else None
+        running = batch.num_prompt_tokens if body.continuous_usage else None
         events = fmt.sse(chunks, body.include_usage, want_logprobs, running)
-        return EventStreamResponse(events, on_close=ticket.release)
+        return EventStreamResponse(events, on_close=batch.release)
     try:
-        whole = await until_disconnected(request, fmt.whole(chunks, body.n, want_logprobs))
+        whole = await until_disconnected(
+            request, fmt.whole(chunks, batch.num_choices, want_logprobs)
+        )
     except ClientGoneError:
         return Response(status_code=499)  # nobody is listening; the request was aborted
     finally:
-        ticket.release()
-    return JSONResponse(whole)
+        batch.release()
+    return JSONResponse(batch.finish(whole, fmt.chat))

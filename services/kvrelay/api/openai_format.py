@@ -195,12 +195,14 @@ class OpenAIFormatter:
     def _logprobs(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
         if self.chat:
             return {"content": [self._chat_logprob(e) for e in entries]}
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+        tokens, token_logprobs, offsets = [], [], []
+        tops: list[dict[str, float] | None] = []
         for entry in entries:
             token = self._token(entry.token_id)
             tokens.append(token)
             token_logprobs.append(entry.logprob)
-            tops.append({self._token(t): lp for t, lp in entry.top[: self.top_logprobs]})
+            top = {self._token(t): lp for t, lp in entry.top[: self.top_logprobs]}
+            tops.append(None if entry.logprob is None else top)  # an echoed first token: None
             offsets.append(text_offset)
             text_offset += len(token)
         return {
@@ -211,7 +213,7 @@ class OpenAIFormatter:
         }
 
     def _chat_logprob(self, entry: TokenLogprob) -> dict[str, Any]:
-        def item(token_id: int, logprob: float) -> dict[str, Any]:
+        def item(token_id: int, logprob: float | None) -> dict[str, Any]:
             token = self._token(token_id)
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 

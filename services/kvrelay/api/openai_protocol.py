@@ -43,6 +43,13 @@ def token_biases(raw: dict[str, float] | None) -> dict[int, float] | None:
     return biases
 
 
+def check_prompt_logprobs(body: Any) -> None:
+    """As vLLM: prompt_logprobs are not streamed (their range is checked by SamplingParams)."""
+    if body.stream and body.prompt_logprobs is not None:
+        message = "prompt_logprobs are not available when stream is true"
+        raise InvalidRequestError(message, "prompt_logprobs")
+
+
 class StreamOptions(_Body):
     accepted_values: ClassVar[Accepted] = {"include_obfuscation": (False,)}
     include_usage: bool = False
@@ -90,6 +97,7 @@ class _Sampling(StructuredFields):
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top k
 
     def check_supported(self) -> None:
         """Refuse fields we cannot honour (InvalidRequestError naming the field)."""
@@ -118,6 +126,7 @@ class _Sampling(StructuredFields):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": token_biases(self.logit_bias),
+            "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": self.output_constraint,
         }
 
@@ -146,22 +155,20 @@ class CompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", "echo")
+        check_prompt_logprobs(self)
+        if self.max_tokens == 0 and not self.echo:  # vLLM's: the prompt's logprobs alone
+            raise InvalidRequestError("max_tokens 0 needs echo set to true", "max_tokens")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of other than n is not supported", "best_of")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as sent: one (text or token ids), or a list of them."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequestError("send one prompt per request", "prompt")
-            first = prompt[0]
-            assert isinstance(first, (str, list))
-            return first
-        return prompt  # type: ignore[return-value]
+            return list(prompt)
+        return [prompt]  # type: ignore[list-item]
 
 
 class ChatMessage(_Body):
@@ -197,6 +204,7 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_prompt_logprobs(self)
         self.tool_plan()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")

@@ -61,6 +61,7 @@ class SampleRun:
     num_cached_tokens: int = 0
     decision: Decision | None = None
     times: dict[str, float] = field(default_factory=dict)  # prefill_done, first_decode
+    has_prompt_logprobs: bool = False  # taken from a worker already (they come once)
 
     @property
     def request_id(self) -> str:
@@ -79,14 +80,23 @@ class SampleRun:
         `resume` tokens a lost worker produced."""
         if kv_handle is None and not resume:
             return self.request
+        params = self.request.params
+        if params.prompt_logprobs is not None:  # the prefill (or first) worker sent them
+            params = dataclasses.replace(params, prompt_logprobs=None)
         return dataclasses.replace(
-            self.request, kv_handle=kv_handle, resume_output_token_ids=tuple(resume)
+            self.request, params=params, kv_handle=kv_handle, resume_output_token_ids=tuple(resume)
         )
 
     def take(self, delta: OutputDelta) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        prompt_logprobs, delta_prompt = None, delta.prompt_logprobs
+        if delta_prompt is not None and not self.has_prompt_logprobs:
+            prompt_logprobs, self.has_prompt_logprobs = delta_prompt, True
         for sample in delta.samples:
             news = self.state.feed(sample)
+            if prompt_logprobs is not None:  # once, with the first news
+                news = news or ChoiceDelta(self.state.index)
+                news.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
             if news is not None:
                 self.emitted = self.emitted or bool(news.token_ids)
                 self.emit(news)

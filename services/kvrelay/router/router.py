@@ -260,8 +260,12 @@ class Router:
         params = request.params
         runs = []
         for index, (rid, sample_params) in enumerate(samples_of(request.request_id, params)):
-            # Stop strings are matched here, on the text; workers see token ids only.
-            worker_params = dataclasses.replace(sample_params, stop=())
+            # Stop strings are matched here, on the text; workers see token ids only. The
+            # prompt's logprobs are the same for every sample: sample 0 computes them.
+            prompt_logprobs = sample_params.prompt_logprobs if index == 0 else None
+            worker_params = dataclasses.replace(
+                sample_params, stop=(), prompt_logprobs=prompt_logprobs
+            )
             state = SampleState(
                 index,
                 self.tokenizer,

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
+from kvrelay.common.messages import PromptLogprob
 from kvrelay.common.sampling_params import SamplingParams
 
 
@@ -38,7 +39,7 @@ class GenerateRequest:
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing to score it by)
     top: list[tuple[int, float]]  # the top-k (token id, logprob), best first
 
 
@@ -52,6 +53,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
+    # The prompt's logprobs (params.prompt_logprobs), once, on sample 0's first news.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     def merge(self, later: ChoiceDelta) -> None:
         """Append a later delta of the same sample (coalescing when the client lags)."""
@@ -61,6 +64,7 @@ class ChoiceDelta:
             self.logprobs = [*(self.logprobs or []), *later.logprobs]
         self.finish_reason = later.finish_reason or self.finish_reason
         self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 
 
 @dataclass
