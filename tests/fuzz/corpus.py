@@ -118,8 +118,17 @@ def _param_cases() -> list[HttpCase]:
         HttpCase("echo", COMPLETIONS, completion(echo=True), 400, "echo"),
         HttpCase("suffix", COMPLETIONS, completion(suffix="x"), 400, "suffix"),
         HttpCase("best_of_2", COMPLETIONS, completion(best_of=2), 400, "best_of"),
-        HttpCase("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-                 400, "tools"),
+        HttpCase("tools_bad_name", CHAT,
+                 chat(tools=[{"type": "function", "function": {"name": "f g"}}]), 400,
+                 "tools.0.function.name"),
+        HttpCase("tool_choice_unknown_function", CHAT,
+                 chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                      tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+                 "tool_choice.function.name"),
+        HttpCase("functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
+        HttpCase("tool_role_without_id", CHAT,
+                 body({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}),
+                 400, "messages.0.tool_call_id"),
         HttpCase("chat_role_bogus", CHAT,
                  body({"messages": [{"role": "bogus", "content": "Hi"}], "max_tokens": 2}),
                  400, "messages*"),
@@ -166,7 +175,8 @@ NULLABLE_COMPLETION = (
 NULLABLE_CHAT = (
     "n", "stream", "logprobs", "top_logprobs", "add_generation_prompt",
     "include_stop_str_in_output", "temperature", "max_tokens", "tools", "seed", "stop",
-    "stream_options", "user", "repetition_penalty", "stop_token_ids", "model",
+    "stream_options", "user", "repetition_penalty", "stop_token_ids", "model", "tool_choice",
+    "parallel_tool_calls",
 )  # fmt: skip
 
 
