@@ -183,12 +183,18 @@ def meta_engine(tiny_llama_dir: Path) -> Iterator[Engine]:
 
 
 def test_engine_steps_on_meta_never_touch_the_host(
-    meta_engine: Engine, monkeypatch: pytest.MonkeyPatch
+    meta_engine: Engine, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Whole engine steps (prefill chunks, then decodes with mixed context lengths) on meta:
     the forward pass, the logits and the sampler up to its one sync per step (the sampled ids
     read back) run without reading a device value on the host or mixing devices. Only that
-    one read is replaced: meta has no values, so each step pretends token 7 was sampled."""
+    one read is replaced: meta has no values, so each step pretends token 7 was sampled.
+    Request "d" has a grammar (structured outputs) that token 7 ("$") completes in 4."""
+    from kvrelay.common.structured_outputs import StructuredKind, StructuredOutputs
+    from tests.engine.grammar_vocab import write_tokenizer
+
+    write_tokenizer(tmp_path)  # the tiny model's vocabulary, where its grammar compiles
+    meta_engine._grammar.compiler.model_path = str(tmp_path)
     sampler = meta_engine.runner.sampler
     calls: list[int] = []
 
@@ -219,10 +225,12 @@ def test_engine_steps_on_meta_never_touch_the_host(
             repetition_penalty=1.3, presence_penalty=0.5, max_tokens=4, logit_bias={5: 2.0}
         ),
     )
+    dollars = StructuredOutputs(StructuredKind.REGEX, r"\$\$\$\$")
+    meta_engine.add_request("d", [3, 8], SamplingParams(structured_outputs=dollars))
     mode = OnDeviceOnly()
     with mode:
         done = run_to_completion(meta_engine)
-    assert sorted(done) == ["a", "b", "c"] and all(d[0] == [7] * 4 for d in done.values())
+    assert sorted(done) == ["a", "b", "c", "d"] and all(d[0] == [7] * 4 for d in done.values())
     assert len(calls) >= 4 and mode.meta_ops > 100
     # The inputs went up staged (one copy per step) and the block tables live on the device.
     uploader = meta_engine.runner.uploader
@@ -266,3 +274,43 @@ def test_sampler_on_meta_up_to_its_one_sync() -> None:
     assert mode.meta_ops > 20
     cpu = sampler.sample(logits, rows, uniforms)  # the same rows, on the CPU, to the end
     assert len(cpu.token_ids) == 3 and cpu.logprobs[1] is not None
+
+
+@pytest.mark.parametrize("constrained", [[1, 2], [0, 1, 2]], ids=["some rows", "every row"])
+def test_constrained_rows_on_meta_upload_their_mask_without_waiting(
+    tmp_path: Path, constrained: list[int]
+) -> None:
+    """Structured outputs: the grammar's bitmask is filled on the host, goes up in one
+    non-blocking copy and is unpacked and applied on the device (sampled, greedy, min_tokens
+    and logprobs rows alike); nothing is read back before the step's one sync."""
+    from kvrelay.common.structured_outputs import StructuredOutputs
+    from kvrelay.engine.grammar import GrammarCompiler
+    from tests.engine.grammar_vocab import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    compiler = GrammarCompiler(str(tmp_path), TINY_VOCAB, (2,))
+    prototype = compiler.compile(StructuredOutputs.json_schema({"type": "object"})).result()
+    params = [
+        _greedy(1),
+        SamplingParams(temperature=0.7, top_k=5, min_tokens=2, logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2, logit_bias={5: 1.0}),
+    ]
+    rows = [
+        SamplingRow(
+            p,
+            [4],
+            [],
+            torch.Generator().manual_seed(i),
+            (2,),
+            prototype.deep_copy() if i in constrained else None,
+        )
+        for i, p in enumerate(params)
+    ]
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    on_meta = torch.randn(3, TINY_VOCAB).to("meta")
+    with OnDeviceOnly() as mode:
+        uniforms = sampler.draw_uniforms(rows)
+        tokens, (idx, logprobs) = sampler.sample_on_device(on_meta, rows, uniforms)
+    assert tokens.is_meta and logprobs is not None and logprobs.is_meta and idx == [1]
+    assert mode.meta_ops > 20
+    compiler.shutdown()
