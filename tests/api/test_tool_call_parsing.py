@@ -5,11 +5,14 @@ the formatter's OpenAI shapes for them."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrelay.api.openai_format import OpenAIFormatter
 from kvrelay.api.tool_call_parsers import CallsArrayParser, NamedCallParser, tool_call_parsers
@@ -268,3 +271,69 @@ def test_streamed_choices_carry_openai_deltas() -> None:
 def test_tool_choice_none_or_no_tools_means_plain_text(choice: Any) -> None:
     plan = tool_plan(TOOLS if choice else None, choice)
     assert tool_call_parsers(plan) is None
+
+
+# -- any mix of text, calls and bad blocks, cut anywhere -------------------------------------------
+
+_fragments = ["a", " ", "\n", "<", ">", "<tool", "<tool_call", "</tool_call>", "{", "}", '"']
+_words = st.lists(st.sampled_from(_fragments), max_size=6).map("".join)
+_calls = st.builds(
+    lambda name, value: (name, {"v": value}),
+    st.sampled_from(NAMES),
+    st.one_of(st.integers(), st.text(max_size=5), st.lists(st.booleans(), max_size=2)),
+)
+_bad = st.sampled_from(["<tool_call>{x}</tool_call>", '<tool_call>{"name": "zz"}</tool_call>'])
+_segments = st.lists(
+    st.one_of(st.tuples(st.just("text"), _words), st.tuples(st.just("call"), _calls),
+              st.tuples(st.just("bad"), _bad)),
+    max_size=5,
+)  # fmt: skip
+
+
+def cut(text: str, cuts: list[int]) -> list[str]:
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _render(segments: list[tuple[str, Any]]) -> str:
+    parts = []
+    for kind, value in segments:
+        if kind == "call":
+            name, arguments = value
+            call = json.dumps({"name": name, "arguments": arguments})
+            parts.append(f"<tool_call>\n{call}\n</tool_call>")
+        else:
+            parts.append(value)
+    return "".join(parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_segments, st.lists(st.integers(0, 200), max_size=4))
+def test_any_reply_streams_like_whole_and_loses_no_text(
+    segments: list[tuple[str, Any]], cuts: list[int]
+) -> None:
+    text = _render(segments)
+    content, calls = whole(hermes(), text)
+    pieces = cut(text, cuts)
+    got_content, got_calls = streamed(hermes(), pieces)
+    assert (got_content, got_calls) == (content or "", calls)
+    # Every call written whole is a call unless a text segment opened a tag before it; all
+    # other text is content (whitespace next to calls aside).
+    expected = [value for kind, value in segments if kind == "call"]
+    if "<tool_call>" not in "".join(v for k, v in segments if k == "text"):
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected
+        kept = "".join(value for kind, value in segments if kind != "call")
+        assert "".join((content or "").split()) == "".join(kept.split())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_calls, min_size=1, max_size=3), st.lists(st.integers(0, 300), max_size=4))
+def test_any_required_reply_streams_like_whole(
+    calls: list[tuple[str, Any]], cuts: list[int]
+) -> None:
+    text = json.dumps([{"name": n, "arguments": a} for n, a in calls], separators=(",", ":"))
+    content, parsed = whole(CallsArrayParser(), text)
+    assert content is None
+    assert [(c["name"], json.loads(c["arguments"])) for c in parsed] == calls
+    pieces = cut(text, cuts)
+    assert streamed(CallsArrayParser(), pieces) == ("", parsed)

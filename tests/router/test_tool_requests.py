@@ -287,3 +287,21 @@ def test_a_template_that_reads_tools_renders_them_itself(tokenizer: Any) -> None
     assert text.startswith("<|im_start|>system\nTOOLS:get_weather;now;<|im_end|>\n")
     assert 'CALL get_weather {"city": "Paris"}' in text  # arguments as an object
     assert "<tool_response>" not in text and "# Tools" not in text
+
+
+def test_tool_turns_without_tools_are_still_written_out(tokenizer: Any) -> None:
+    """A follow-up turn may leave `tools` out: the calls and results still reach the prompt
+    (the default template would fail on a null content and drop tool_calls)."""
+    text = render(tokenizer, TURNS, None)
+    assert "# Tools" not in text
+    assert '<tool_call>\n{"name": "get_weather"' in text
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+
+
+def test_an_unparsable_template_is_read_for_the_word_tools() -> None:
+    assert template_takes_tools("{% if tools %}{{ x }")
+    assert not template_takes_tools("{% for m in messages %}{{ m.content }}")
+    assert not template_takes_tools(None) and not template_takes_tools("")
+    # A template that sets its own `tools` variable does not read the client's.
+    assert not template_takes_tools("{% set tools = [] %}{{ tools }}")
