@@ -209,6 +209,7 @@ def test_named_call_is_the_whole_reply() -> None:
     )
     assert_streams_like_whole(lambda: NamedCallParser("get_weather"), text)
     assert whole(NamedCallParser("get_weather"), "") == ("", [])
+    assert whole(NamedCallParser("get_weather"), '{"city": "Par') == ('{"city": "Par', [])
 
 
 # -- the formatter: OpenAI's message and delta shapes ---------------------------------------------

@@ -8,6 +8,7 @@ its arguments as the model writes them.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,8 @@ from kvrelay.router.tool_requests import ToolChoice, ToolPlan
 
 
 class NamedCallParser(ToolCallParser):
-    """A named function's call: the whole reply is its arguments."""
+    """A named function's call: the whole reply is its arguments. A whole reply that is not
+    JSON (cut short) is content; streamed, its fragments have gone out as arguments."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
@@ -36,6 +38,14 @@ class NamedCallParser(ToolCallParser):
             return ParsedDelta(calls=[ToolCallDelta(0, text)])
         self.calls_shown = 1
         return ParsedDelta(calls=[ToolCallDelta(0, text, self.name, new_call_id())])
+
+    def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """Arguments that do not read as JSON (cut short by max_tokens) are content."""
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return super().whole(text)
 
 
 # The parts of `[{"name":"f","arguments":{...}},...]` between arguments objects (the grammar
