@@ -155,12 +155,21 @@ def _body_level_cases() -> list[HttpCase]:
         HttpCase("wrong_method_delete", CHAT, b"", 405, method="DELETE"),
         HttpCase("over_limit_by_one", COMPLETIONS, _padded(MAX_BODY_BYTES + 1), 413),
         HttpCase("just_under_limit", COMPLETIONS, _padded(MAX_BODY_BYTES - 1024), 200),
+        # No field silently ignored (issue 39): an unknown one is refused by name, nested too.
+        HttpCase("unknown_field", COMPLETIONS, completion(padding="x"), 400, "padding"),
+        HttpCase("unknown_nested_field", CHAT,
+                 chat(stream=True, stream_options={"include_usage": True, "x": 1}), 400,
+                 "stream_options.x"),
+        HttpCase("two_constraints", CHAT,
+                 chat(guided_regex="a", response_format={"type": "json_object"}), 400,
+                 ("guided_regex", "response_format")),
     ]  # fmt: skip
 
 
 def _padded(size: int) -> bytes:
-    """A valid completion body of exactly `size` bytes, padded by an unknown field (ignored)."""
-    head = b'{"prompt": "Hello", "max_tokens": 2, "padding": "'
+    """A valid completion body of exactly `size` bytes, padded by a long `user` (a declared
+    field: an unknown one is refused, issue 39)."""
+    head = b'{"prompt": "Hello", "max_tokens": 2, "user": "'
     tail = b'"}'
     return head + b"x" * (size - len(head) - len(tail)) + tail
 
