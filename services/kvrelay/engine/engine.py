@@ -3,6 +3,7 @@ A pure library: no Ray, gRPC or Kubernetes imports, and no P/D hand-off logic (h
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -14,7 +15,6 @@ from kvrelay.common.detokenizer import Tokenizer
 from kvrelay.common.messages import EngineRequest, EngineStats, KVHandle, PullPlan, Role
 from kvrelay.common.sampling_params import SamplingParams, check_vocab
 from kvrelay.config import EngineConfig
-from kvrelay.engine.grammar import GrammarCompiler
 from kvrelay.engine.grammar_gate import GrammarGate, advance_matcher
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
 from kvrelay.engine.isolation import SAMPLING_FAILED
@@ -90,13 +90,6 @@ class Engine:
         # Requests finished outside a step (a failed hand-off, a stop at the handed-off first
         # token): the next `step` returns their final outputs.
         self._finished_outside_step: dict[str, ParentRequest] = {}
-        # Structured outputs: requests held while their grammar compiles (grammar_gate.py).
-        model_config = config.model_config
-        self._grammar = GrammarGate(
-            GrammarCompiler(
-                config.model, model_config.vocab_size, model_config.eos_token_ids, tokenizer
-            )
-        )
         self._prompt_tokens = 0
         self._generation_tokens = 0
         logger.info(
@@ -106,6 +99,11 @@ class Engine:
             kv_tensor.numel() * kv_tensor.element_size() / 2**20,
             config.max_model_len,
         )
+
+    @functools.cached_property
+    def _grammar(self) -> GrammarGate:
+        """Structured outputs: requests held while their grammar compiles (grammar_gate.py)."""
+        return GrammarGate.of_engine(self.config, self.tokenizer)
 
     def _warm_up(self, kv_tensor: torch.Tensor) -> None:
         """Every kernel variant a step can launch, compiled before the engine is ready (a

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.config import EngineConfig
 from kvrelay.engine.grammar import GrammarCompiler
 from kvrelay.engine.handoff import KVHandoff
 from kvrelay.engine.parent_request import ParentRequest
@@ -41,6 +42,13 @@ class GrammarGate:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._held: dict[str, HeldRequest] = {}
+
+    @classmethod
+    def of_engine(cls, config: EngineConfig, tokenizer: Any | None) -> GrammarGate:
+        """The gate of an engine of `config` (its tokenizer, when it has one)."""
+        model = config.model_config
+        compiler = GrammarCompiler(config.model, model.vocab_size, model.eos_token_ids, tokenizer)
+        return cls(compiler)
 
     def __len__(self) -> int:
         return len(self._held)
