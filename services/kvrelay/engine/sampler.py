@@ -76,7 +76,8 @@ class Sampler:
        that everything below, logprobs included, sees only what the grammar allows;
     1. logprobs come from the raw logits (log_softmax before any penalty or temperature);
     2. min_tokens: while fewer than min_tokens were generated, EOS and stop_token_ids -> -inf
-       (EOS even with ignore_eos, as vLLM does);
+       (EOS even with ignore_eos, as vLLM does; under a grammar, not where they are all it
+       allows: its end wins, grammar_mask.py);
     3. repetition penalty over prompt and output tokens;
     4. presence and frequency penalties over output tokens;
     5. greedy rows: argmax (lowest index on ties);
