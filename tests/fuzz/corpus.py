@@ -115,7 +115,9 @@ def _param_cases() -> list[HttpCase]:
     return [
         HttpCase("top_logprobs_21", CHAT, chat(logprobs=True, top_logprobs=21), 400,
                  "top_logprobs"),
-        HttpCase("echo", COMPLETIONS, completion(echo=True), 400, "echo"),
+        HttpCase("echo_on_chat", CHAT, chat(echo=True), 400, "echo"),
+        HttpCase("prompt_logprobs_streamed", COMPLETIONS,
+                 completion(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
         HttpCase("suffix", COMPLETIONS, completion(suffix="x"), 400, "suffix"),
         HttpCase("best_of_2", COMPLETIONS, completion(best_of=2), 400, "best_of"),
         HttpCase("tools_bad_name", CHAT,
