@@ -121,7 +121,10 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
 BY_PATH: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {
     CHAT: {
         "logprobs": (True, {}),
-        "messages": ([{"role": "system", "content": "Be brief."}, BASES[CHAT]["messages"][0]], {}),
+        "messages": (
+            [{"role": "system", "content": "Be brief.", "name": "ops"}, BASES[CHAT]["messages"][0]],
+            {},
+        ),
     },
     COMPLETIONS: {"logprobs": (2, {}), "prompt": ([[1, 2, 3]], {})},
 }
@@ -168,7 +171,8 @@ IMPLEMENTED = {
     "guided_grammar", "guided_json_object", "guided_decoding_backend", "prompt_logprobs",
 }  # fmt: skip
 IMPLEMENTED_CHAT = {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                    "add_generation_prompt"}  # fmt: skip
+                    "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
+                    "parallel_tool_calls"}  # fmt: skip
 IMPLEMENTED_COMPLETION = {"prompt", "best_of", "echo"}
 # Accepted at one value only (a value that changes nothing here): (accepted, refused).
 ACCEPTED_AT: dict[str, tuple[Any, Any]] = {
@@ -251,6 +255,8 @@ def test_fields_accepted_at_one_value(kvrelay_server: ServerProcess, path: str) 
          "response_format.json_schema.x_extra"),
         ({"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a"}}]},
          "messages.0.audio"),
+        ({"messages": [{"role": "user", "content": "Hi", "name": 7}]}, "messages.0.name"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ],
 )  # fmt: skip
 def test_nested_fields_are_refused_by_their_dotted_name(

@@ -325,3 +325,18 @@ def test_colocated_list_echo_streamed(colocated: ServerProcess) -> None:
     prompts = [LONG, LONG, SHORT, SHORT]
     assert all(c.text.startswith(p) for c, p in zip(whole.choices, prompts, strict=True))
     wait_for(colocated, lambda s: s.value("kvrelay_router_requests_in_flight") == 0)
+
+
+def test_tokenize_chat_takes_template_variables_and_names(kvrelay_server: ServerProcess) -> None:
+    _, plain = post(kvrelay_server, "/tokenize", {"messages": CHAT})
+    named = [{**CHAT[0], "name": "ada"}, *CHAT[1:]]
+    body = {"messages": named, "chat_template_kwargs": {"enable_thinking": False}}
+    status, reply = post(kvrelay_server, "/tokenize", body)
+    # SmolLM2's template reads neither: the same tokens (the router's unit tests use one that does)
+    assert status == 200 and reply["tokens"] == plain["tokens"]
+    refused(
+        kvrelay_server,
+        "/tokenize",
+        {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs.add_generation_prompt",
+    )

@@ -24,6 +24,7 @@ from kvrelay.api.tokenizer_routes import add_tokenizer_routes
 from kvrelay.api.tool_call_parsers import tool_call_parsers
 from kvrelay.router.prompts import chat_messages, sampling_params
 from kvrelay.router.router import Router
+from kvrelay.router.template_kwargs import template_kwargs
 from kvrelay.router.types import GenerateChunk, GenerateRequest, new_request_id
 
 
@@ -124,7 +125,10 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         tools = body.tool_plan()
         messages = chat_messages(body.template_messages(), tools=True)
         text, ids = await router.encoder.render_chat(
-            messages, body.add_generation_prompt, tools.template_tools()
+            messages,
+            body.add_generation_prompt,
+            tools.template_tools(),
+            template_kwargs(body.chat_template_kwargs),
         )
         names = body.field_names
         fields = body.sampling_fields(body.output_limit, body.num_logprobs)

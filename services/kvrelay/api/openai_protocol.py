@@ -178,6 +178,7 @@ class ChatMessage(_Body):
     content: Any = None
     tool_calls: Any = None  # an assistant's calls (router.tool_messages checks them)
     tool_call_id: Any = None  # a tool message's: the call it answers
+    name: Any = None  # OpenAI's participant name (given to templates that read it)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -194,6 +195,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: Any = None  # extra template variables (router.template_kwargs)
     # Tool calling (router.tool_requests checks them; functions / function_call are refused)
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -248,6 +250,8 @@ class ChatCompletionRequest(_Sampling):
         messages = []
         for m in self.messages:
             message = {"role": m.role, "content": m.content}
+            if m.name is not None:
+                message["name"] = m.name
             if m.tool_calls is not None:
                 message["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:

@@ -21,6 +21,7 @@ from kvrelay.common.sampling_params import check_vocab
 from kvrelay.router.prompts import chat_messages, check_text
 from kvrelay.router.request_errors import InvalidRequestError
 from kvrelay.router.router import Router
+from kvrelay.router.template_kwargs import template_kwargs
 
 _T = TypeVar("_T", bound=RequestBody)
 
@@ -36,6 +37,7 @@ class TokenizeChatRequest(RequestBody):
     model: str | None = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
+    chat_template_kwargs: Any = None  # extra template variables (router.template_kwargs)
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template writes its own
     return_token_strs: bool = False
@@ -125,7 +127,10 @@ async def _render(router: Router, request: TokenizeChatRequest) -> str:
     _tokenizer(router, "messages")
     raw = [m.model_dump(exclude_none=True) for m in request.messages]
     messages = chat_messages(raw, tools=True)
-    text, _ = await router.encoder.render_chat(messages, request.add_generation_prompt)
+    variables = template_kwargs(request.chat_template_kwargs)
+    text, _ = await router.encoder.render_chat(
+        messages, request.add_generation_prompt, variables=variables
+    )
     if request.continue_final_message:
         text = _continued(text, messages[-1]["content"])
     return text

@@ -49,10 +49,12 @@ class PromptEncoder:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template applied to validated messages (prompts.chat_messages): (text, ids).
         `tools` (OpenAI's shape) go to a template that reads them; for one that does not, the
-        tools, calls and results are written into the turns (router.tool_messages)."""
+        tools, calls and results are written into the turns (router.tool_messages).
+        `variables`: extra template variables (checked by router.template_kwargs)."""
         for i, message in enumerate(messages):
             self._check(message["content"], f"messages.{i}.content")
         template = getattr(self.tokenizer, "chat_template", None)
@@ -63,7 +65,7 @@ class PromptEncoder:
         if not template_takes_tools(template) and (tools or needs_tool_rendering(messages)):
             messages, tools = hermes_messages(messages, tools), None
         return await self._run(
-            _render, self.tokenizer, list(messages), add_generation_prompt, tools
+            _render, self.tokenizer, list(messages), add_generation_prompt, tools, variables
         )
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -95,10 +97,15 @@ def _render(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(variables or {}),
         )
     except Exception as exc:  # a template's own raise_exception, e.g. roles out of order
         message = f"the chat template rejected the messages: {exc}"

@@ -22,6 +22,7 @@ _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # With tool calling (the HTTP API): a tool's result, and assistant messages' tool_calls.
 TOOL_CHAT_ROLES = (*CHAT_ROLES, "tool")
+MAX_NAME_CHARS = 256
 
 
 def sampling_params(
@@ -91,6 +92,14 @@ def _chat_message(index: int, message: Mapping[str, Any], tools: bool) -> dict[s
         "role": "system" if role == "developer" else role,
         "content": check_text(content or "", param),
     }
+    name = message.get("name")
+    if name is not None:  # OpenAI's participant name: templates that read it get it
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise InvalidRequestError(
+                f"messages.{index}.name must be a string of 1 to {MAX_NAME_CHARS} characters",
+                f"messages.{index}.name",
+            )
+        checked["name"] = check_text(name, f"messages.{index}.name")
     return {**checked, **tool_fields(index, message)} if tools else checked
 
 
