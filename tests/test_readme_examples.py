@@ -4,6 +4,7 @@ prints."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -36,3 +37,20 @@ def test_disaggregation_example_runs(default_model_dir: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == promised.group(1)
+
+
+@pytest.mark.slow
+def test_structured_outputs_example_runs(default_model_dir: Path) -> None:
+    code = python_block("StructuredOutputs.json_schema(")
+    promised = re.search(r"^print\(.*\)  # (.*)$", code, re.MULTILINE)
+    assert promised is not None, "the example should say what it prints"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = json.loads(done.stdout.splitlines()[-1])
+    # The schema holds whatever the CPU: these keys, strings within their bounds, nothing else.
+    assert set(printed) == {"city", "country", "landmark"}
+    assert all(isinstance(v, str) and len(v) <= 32 for v in printed.values())
+    # (Not the greedy text itself: a CPU with other rounding may pick another landmark.)
+    assert set(json.loads(promised.group(1))) == set(printed)

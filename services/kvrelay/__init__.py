@@ -1,6 +1,7 @@
 """kvrelay: LLM serving with disaggregated prefill and decode.
 
-`from kvrelay import LLM, SamplingParams` is the offline API; the rest lives in subpackages.
+`from kvrelay import LLM, SamplingParams, StructuredOutputs` is the offline API; the rest
+lives in subpackages.
 """
 
 from __future__ import annotations
@@ -8,10 +9,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputs",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from kvrelay.common.sampling_params import SamplingParams
+    from kvrelay.common.structured_outputs import StructuredOutputs
     from kvrelay.engine.outputs import CompletionOutput, RequestOutput
     from kvrelay.llm import LLM
 
@@ -26,6 +35,10 @@ def __getattr__(name: str) -> Any:
         from kvrelay.common.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from kvrelay.common.structured_outputs import StructuredOutputs
+
+        return StructuredOutputs
     if name in ("RequestOutput", "CompletionOutput"):
         from kvrelay.engine import outputs
 

@@ -87,7 +87,7 @@ class GrammarCompiler:
         tokenizer = self.ll_tokenizer()
         matcher = LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
         if matcher.is_error():
-            raise GrammarError(_first_line(matcher.get_error()))
+            raise GrammarError(first_line(matcher.get_error(), "the grammar could not be compiled"))
         return matcher
 
     def ll_tokenizer(self) -> Any:
@@ -125,6 +125,8 @@ class GrammarCompiler:
             self._pool = None
 
 
-def _first_line(error: str) -> str:
+def first_line(error: str, otherwise: str) -> str:
+    """llguidance's messages run over several lines (the grammar quoted): the first that
+    says something, else `otherwise`."""
     lines = [line for line in error.strip().splitlines() if line.strip()]
-    return lines[0] if lines else "the grammar could not be compiled"
+    return lines[0] if lines else otherwise

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.config import EngineConfig
-from kvrelay.engine.grammar import GrammarCompiler
+from kvrelay.engine.grammar import GrammarCompiler, first_line
 from kvrelay.engine.handoff import KVHandoff
 from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.request import Request, RequestStatus
@@ -153,5 +153,4 @@ def advance_matcher(matcher: Any, token_id: int) -> RequestStatus | str | None:
 
 def _why(matcher: Any) -> str:
     error = matcher.get_error() if matcher.is_error() else ""
-    lines = [line for line in error.strip().splitlines() if line.strip()]
-    return lines[0] if lines else "no continuation of the output so far matches it"
+    return first_line(error, "no continuation of the output so far matches it")
