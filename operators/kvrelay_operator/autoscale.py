@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import urllib.request
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kvrelay_operator.kube import Kube
@@ -35,13 +35,13 @@ Emit = Callable[[str, str, str], None]  # (event type, reason, message)
 
 
 def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_rfc3339(text: str | None) -> float | None:
     if not text:
         return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
 def autoscaled_pools(spec: ServiceSpec) -> list[str]:
