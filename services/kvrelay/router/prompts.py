@@ -174,10 +174,16 @@ def _constraint(kind: str, value: Any, whitespace_flexible: bool) -> StructuredO
 
 def check_grammar_backend(name: str, param: str) -> None:
     """vLLM's backend names that mean our grammar engine (llguidance) pass; others are 400."""
-    backend = name.split(":", 1)[0].strip().lower()
-    if backend not in GRAMMAR_BACKENDS:
+    backend, _, options = name.partition(":")
+    if backend.strip().lower() not in GRAMMAR_BACKENDS:
         raise InvalidRequestError(
             f"{param} {name!r} is not available: this server's grammar engine is llguidance "
             f"(accepted names: {', '.join(GRAMMAR_BACKENDS)})",
+            param,
+        )
+    if options.strip():  # vLLM's "backend:option,..." form: none of them is implemented here
+        raise InvalidRequestError(
+            f"{param} options ({options.strip()!r}) are not supported: send the backend name "
+            "alone (whitespace: structured_outputs.disable_any_whitespace)",
             param,
         )
