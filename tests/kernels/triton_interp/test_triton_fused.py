@@ -65,7 +65,10 @@ def _assert_rounded_alike(
     low = finish((exact * (1 - NEAR_BOUNDARY)).to(got.dtype))
     high = finish((exact * (1 + NEAR_BOUNDARY)).to(got.dtype))
     ambiguous = low != high
-    assert float(ambiguous.float().mean()) < 0.02, f"too many boundary cases (seed {seed})"
+    # Rare, not 1-in-500 rare: 16-bit inputs sit on a coarse grid, and one row's scale can put
+    # many of them near a boundary at once (seed 332405466: 2.75% of 3 x 2048 fp16 elements,
+    # 8.7% of one row). The check guards the premise (a tolerance that accepts everything).
+    assert float(ambiguous.float().mean()) < 0.10, f"too many boundary cases (seed {seed})"
     wrong = (got != low) & (got != high)
     assert not wrong.any(), (
         f"{int(wrong.sum())} of {got.numel()} elements differ (seed {seed}): first at "
