@@ -33,6 +33,8 @@ class PagedAttentionFn(Protocol):
         *,
         plan: AttentionPlan | None = None,
         out: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -55,26 +57,52 @@ class CopyBlocksFn(Protocol):
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """One implementation of the three ops."""
+    """One implementation of the three ops, and which per-call attention variants
+    (attention_variants.py) its `paged_attention` implements: the engine checks a model's
+    needs against these at load time; a call asking for a missing one raises ValueError."""
 
     name: str
     write_kv: WriteKVFn
     paged_attention: PagedAttentionFn
     copy_blocks: CopyBlocksFn
+    sliding_window: bool
+    soft_cap: bool
+
+    def check_supports(self, sliding_window: bool, soft_cap: bool) -> None:
+        """Raise ValueError, naming this backend and the `torch` one, when a model needs a
+        variant (`sliding_window`: some layer has a window; `soft_cap`: some layer caps its
+        scores) that this backend does not implement."""
+        missing = [
+            feature
+            for feature, needed, supported in (
+                ("sliding-window attention", sliding_window, self.sliding_window),
+                ("attention-logit soft-capping", soft_cap, self.soft_cap),
+            )
+            if needed and not supported
+        ]
+        if missing:
+            raise ValueError(
+                f"the {self.name!r} attention backend does not implement "
+                f"{' or '.join(missing)}, which this model needs; choose the 'torch' backend"
+            )
 
 
 _TORCH = AttentionBackend(
-    "torch", reference.write_kv, reference.paged_attention, reference.copy_blocks
-)
+    "torch", reference.write_kv, reference.paged_attention, reference.copy_blocks,
+    sliding_window=True, soft_cap=True,
+)  # fmt: skip
 _CPU = AttentionBackend(
-    "cpu", cpu_backend.write_kv, cpu_backend.paged_attention, reference.copy_blocks
-)
+    "cpu", cpu_backend.write_kv, cpu_backend.paged_attention, reference.copy_blocks,
+    sliding_window=cpu_backend.SLIDING_WINDOW, soft_cap=cpu_backend.SOFT_CAP,
+)  # fmt: skip
 _TRITON = AttentionBackend(
-    "triton", triton_backend.write_kv, triton_backend.paged_attention, reference.copy_blocks
-)
+    "triton", triton_backend.write_kv, triton_backend.paged_attention, reference.copy_blocks,
+    sliding_window=triton_backend.SLIDING_WINDOW, soft_cap=triton_backend.SOFT_CAP,
+)  # fmt: skip
 _CUDA = AttentionBackend(
-    "cuda", cuda_backend.write_kv, cuda_backend.paged_attention, cuda_backend.copy_blocks
-)
+    "cuda", cuda_backend.write_kv, cuda_backend.paged_attention, cuda_backend.copy_blocks,
+    sliding_window=cuda_backend.SLIDING_WINDOW, soft_cap=cuda_backend.SOFT_CAP,
+)  # fmt: skip
 _BACKENDS = {"cuda": _CUDA, "triton": _TRITON, "cpu": _CPU, "torch": _TORCH}
 
 

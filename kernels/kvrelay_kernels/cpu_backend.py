@@ -10,9 +10,13 @@ from types import ModuleType
 import torch
 
 from kvrelay_kernels import reference
+from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.cpu_extension import load_cpu_extension
 from kvrelay_kernels.plan import AttentionPlan, build_plan
 
+# The attention variants (attention_variants.py) this backend implements.
+SLIDING_WINDOW = True
+SOFT_CAP = True
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the query's and the cache's alike
 # fast-math lets GCC vectorize the exps (glibc's libmvec) and the dot reductions; the kernel
 # avoids infinities, so dropping their guarantees is safe.
@@ -74,13 +78,17 @@ def paged_attention(
     *,
     plan: AttentionPlan | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same meaning as `reference.paged_attention`; decode rows go through the C++ kernel."""
+    check_variants(sliding_window, soft_cap)
     module = load_extension()
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
     kernel_takes = query.dtype in _KERNEL_DTYPES and kv_cache.dtype == query.dtype
-    if module is None or not kernel_takes or not plan.has_decodes:
+    variants = sliding_window is not None or soft_cap is not None  # not in the kernel yet
+    if module is None or not kernel_takes or not plan.has_decodes or variants:
         return reference.paged_attention(
             query,
             kv_cache,
@@ -91,6 +99,8 @@ def paged_attention(
             scale,
             plan=plan,
             out=out,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
         )
     assert plan.decode_block_tables is not None and plan.decode_lens is not None
     rows = plan.decode_token_idx

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvrelay_kernels import reference, triton_backend
+from kvrelay_kernels.attention_variants import refuse_unsupported
 from kvrelay_kernels.counters import COUNTERS
 from kvrelay_kernels.plan import AttentionPlan, plan_on_device
 from kvrelay_kernels.split import VarlenKernel, split_attention
@@ -33,6 +34,9 @@ PARTITION_SIZE = 512
 # Head sizes and dtypes with compiled decode kernels (kernels/csrc/paged_decode.cuh).
 HEAD_DIMS = frozenset({64, 80, 96, 128, 256})
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# The attention variants (attention_variants.py) this backend implements.
+SLIDING_WINDOW = False
+SOFT_CAP = False
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -194,10 +198,13 @@ def paged_attention(
     *,
     plan: AttentionPlan | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same meaning as `reference.paged_attention`. Decode rows go to the CUDA decode kernel
     and prefill rows to the Triton varlen kernel, in one step (split.py); shapes without a
     compiled decode kernel send the whole batch to Triton (else the torch reference)."""
+    refuse_unsupported("cuda", sliding_window, soft_cap, window_ok=SLIDING_WINDOW, cap_ok=SOFT_CAP)
     if not kv_cache.is_cuda:
         return reference.paged_attention(
             query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.plan import AttentionPlan, build_plan, split_slots
 
 
@@ -65,6 +66,8 @@ def paged_attention(
     *,
     plan: AttentionPlan | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of query chunks over their paged context.
 
@@ -83,10 +86,18 @@ def paged_attention(
         scale: softmax scale, usually `head_dim ** -0.5`.
         plan: the same metadata pre-digested once per step (`build_plan`); optional.
         out: `[num_tokens, num_heads, head_dim]` buffer to write into; optional.
+        sliding_window: a query at position p sees only keys at `p - sliding_window < j <= p`
+            (attention_variants.py); None: every earlier key.
+        soft_cap: each scaled score s becomes `soft_cap * tanh(s / soft_cap)`; None: no cap.
 
     Returns:
         `[num_tokens, num_heads, head_dim]` attention output.
+
+    Raises:
+        ValueError: `sliding_window` or `soft_cap` is out of its domain.
     """
+    check_variants(sliding_window, soft_cap)
+    variant = (sliding_window, soft_cap)
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
     # [num_blocks, block_size * kv_heads * head_dim]: one row per block, rows strided by the
@@ -94,16 +105,17 @@ def paged_attention(
     # the same data it fell to a per-element path about 10x slower (measured on CPU).
     keys, values = _layer_rows(kv_cache, layer)
     block_size, kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+    shape = (block_size, kv_heads)
     if plan.has_decodes and plan.decode_token_idx is None and out is None:  # all decodes
-        return _decode_attention(query, keys, values, plan, scale, block_size, kv_heads)
+        return _decode_attention(query, keys, values, plan, scale, shape, *variant)
     if plan.has_decodes:
         rows = plan.decode_token_idx  # None: every row is a decode, in order
         decode_q = query if rows is None else query[rows]
-        decoded = _decode_attention(decode_q, keys, values, plan, scale, block_size, kv_heads)
+        decoded = _decode_attention(decode_q, keys, values, plan, scale, shape, *variant)
         out = place_decode_rows(query, rows, decoded, out)
     elif out is None:
         out = torch.empty_like(query)
-    prefill_attention(query, kv_cache, layer, plan, scale, out)
+    prefill_attention(query, kv_cache, layer, plan, scale, out, *variant)
     return out
 
 
@@ -128,15 +140,20 @@ def prefill_attention(
     plan: AttentionPlan,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
-    """Write into `out` the causal attention of the plan's multi-token chunks (prefill)."""
+    """Write into `out` the causal attention of the plan's multi-token chunks (prefill), with
+    `paged_attention`'s window and cap."""
     keys, values = _layer_rows(kv_cache, layer)
     shape = (-1, *kv_cache.shape[4:])  # [blocks * block_size, kv_heads, head_dim]
     for chunk in plan.prefills:
         q = query[chunk.q_start : chunk.q_end]
         k = keys.index_select(0, chunk.block_ids).view(shape)[: chunk.context_len]
         v = values.index_select(0, chunk.block_ids).view(shape)[: chunk.context_len]
-        out[chunk.q_start : chunk.q_end] = _chunk_attention(q, k, v, chunk.context_len, scale)
+        out[chunk.q_start : chunk.q_end] = _chunk_attention(
+            q, k, v, chunk.context_len, scale, sliding_window, soft_cap
+        )
 
 
 def _layer_rows(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,14 +171,17 @@ def _decode_attention(
     values: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
-    block_size: int,
-    num_kv_heads: int,
+    shape: tuple[int, int],
+    sliding_window: int | None,
+    soft_cap: float | None,
 ) -> torch.Tensor:
     """One query token per sequence, all sequences batched in one gather and one SDPA call.
 
-    `keys`, `values`: one layer's `[num_blocks, block_size * kv_heads * head_dim]` rows.
+    `keys`, `values`: one layer's `[num_blocks, block_size * kv_heads * head_dim]` rows;
+    `shape`: the cache's (block_size, kv_heads).
     """
     assert plan.decode_block_tables is not None
+    block_size, num_kv_heads = shape
     num_seqs, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     tables = plan.decode_block_tables
@@ -174,12 +194,50 @@ def _decode_attention(
     # The query heads of one KV head become that head's `group` query rows: GQA without
     # repeating K/V. q: [seqs, kv_heads, group, head_dim]
     q = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+    mask = plan.decode_mask if sliding_window is None else _decode_window_mask(plan, sliding_window)
+    if soft_cap is not None:
+        o = _capped_attention(q, k, v, mask, scale, soft_cap)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
+def _decode_window_mask(plan: AttentionPlan, sliding_window: int) -> torch.Tensor:
+    """`[decodes, 1, 1, context]` bool: the keys each decode sees, its last `sliding_window`
+    (a decode's own position is its length - 1)."""
+    lens = plan.decode_lens
+    assert lens is not None, "a plan with decodes has their lengths"
+    positions = torch.arange(plan.decode_context, device=lens.device).unsqueeze(0)
+    lens = lens.unsqueeze(1)
+    visible = (positions < lens) & (positions >= lens - sliding_window)
+    return visible.view(lens.shape[0], 1, 1, plan.decode_context)
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float,
+) -> torch.Tensor:
+    """Masked attention with soft-capped scores, in fp32 (SDPA has no cap): q `[..., Q, D]`,
+    k, v `[..., K, D]` (same heads), mask broadcast to `[..., Q, K]`; out in q's dtype."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype)
+
+
 def _chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's query chunk (its last `q_len` positions)."""
     q_len, num_heads, _ = q.shape
@@ -190,12 +248,28 @@ def _chunk_attention(
     kh = k.transpose(0, 1).unsqueeze(0)
     vh = v.transpose(0, 1).unsqueeze(0)
     gqa = num_heads != num_kv_heads
-    if q_len == context_len:
+    if sliding_window is None and soft_cap is None and q_len == context_len:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1)
+    mask = _chunk_mask(q_len, context_len, sliding_window, q.device)
+    if soft_cap is not None:
+        group = num_heads // num_kv_heads
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+        o = _capped_attention(qh, kh, vh, mask, scale, soft_cap)
     else:
-        first_pos = context_len - q_len
-        # Built on the inputs' device: a CPU mask would not mix with CUDA queries.
-        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + first_pos
-        mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= rows  # [q_len, ctx]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
+
+
+def _chunk_mask(
+    q_len: int, context_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """`[q_len, context_len]` bool: the keys each of the chunk's queries (the context's last
+    `q_len` positions) sees: causal, and within the window when there is one."""
+    # Built on the inputs' device: a CPU mask would not mix with CUDA queries.
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (context_len - q_len)
+    keys = torch.arange(context_len, device=device).unsqueeze(0)
+    mask = keys <= rows
+    if sliding_window is not None:
+        mask &= keys > rows - sliding_window
+    return mask

@@ -13,7 +13,12 @@ import os
 import torch
 
 from kvrelay_kernels import reference
+from kvrelay_kernels.attention_variants import refuse_unsupported
 from kvrelay_kernels.plan import AttentionPlan
+
+# The attention variants (attention_variants.py) this backend implements.
+SLIDING_WINDOW = False
+SOFT_CAP = False
 
 
 def interpreting() -> bool:
@@ -43,8 +48,13 @@ def paged_attention(
     *,
     plan: AttentionPlan | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same meaning as `reference.paged_attention`."""
+    refuse_unsupported(
+        "triton", sliding_window, soft_cap, window_ok=SLIDING_WINDOW, cap_ok=SOFT_CAP
+    )
     if not _runs_here(kv_cache):
         return reference.paged_attention(
             query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale,
