@@ -86,9 +86,8 @@ def paged_attention(
         scale: softmax scale, usually `head_dim ** -0.5`.
         plan: the same metadata pre-digested once per step (`build_plan`); optional.
         out: `[num_tokens, num_heads, head_dim]` buffer to write into; optional.
-        sliding_window: a query at position p sees only keys at `p - sliding_window < j <= p`
-            (attention_variants.py); None: every earlier key.
-        soft_cap: each scaled score s becomes `soft_cap * tanh(s / soft_cap)`; None: no cap.
+        sliding_window, soft_cap: the layer's window and score cap (attention_variants.py);
+            None: every earlier key, no cap.
 
     Returns:
         `[num_tokens, num_heads, head_dim]` attention output.
@@ -97,15 +96,14 @@ def paged_attention(
         ValueError: `sliding_window` or `soft_cap` is out of its domain.
     """
     check_variants(sliding_window, soft_cap)
-    variant = (sliding_window, soft_cap)
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
+    variant = (sliding_window, soft_cap)
     # [num_blocks, block_size * kv_heads * head_dim]: one row per block, rows strided by the
     # other layers. torch's index_select copies such 2-D rows with memcpy; on the 4-D view of
     # the same data it fell to a per-element path about 10x slower (measured on CPU).
     keys, values = _layer_rows(kv_cache, layer)
-    block_size, kv_heads = kv_cache.shape[3], kv_cache.shape[4]
-    shape = (block_size, kv_heads)
+    shape = (kv_cache.shape[3], kv_cache.shape[4])  # (block_size, kv_heads)
     if plan.has_decodes and plan.decode_token_idx is None and out is None:  # all decodes
         return _decode_attention(query, keys, values, plan, scale, shape, *variant)
     if plan.has_decodes:
