@@ -2,7 +2,8 @@
 
 Latency histograms and request counters are observed by the router as requests go by; the
 per-pool gauges and counters are read from the workers' latest `EngineStats` at scrape time
-by `PoolStatsCollector`, so a scrape always shows the pools as they are.
+by `PoolStatsCollector`, so a scrape always shows the pools as they are; so are the per-worker
+gauges (`WorkerStatsCollector`) and vLLM's names for a gateway (gateway_metrics.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrelay.common.messages import EngineStats
+from kvrelay.gateway_metrics import GatewayCollector, WorkerLoad
 
 # Buckets in seconds, as vLLM uses for its request latencies (TTFT has finer low buckets).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -111,6 +113,31 @@ class RouterMetrics:
         latest stats (healthy workers only)."""
         self.registry.register(PoolStatsCollector(snapshot))
 
+    def watch_workers(self, model_name: str, loads: Callable[[], Sequence[WorkerLoad]]) -> None:
+        """Export each worker's load (`kvrelay_worker_*`) and the vLLM-named families a
+        gateway's endpoint picker and vLLM's dashboards read (gateway_metrics.py), from
+        `loads()`: every worker the router knows, with its latest stats."""
+        self.registry.register(WorkerStatsCollector(loads))
+        self.registry.register(GatewayCollector(model_name, loads, self._queued, self._aliases()))
+
+    def _queued(self) -> float:
+        return next(iter(self.queued.collect())).samples[0].value
+
+    def _aliases(self) -> dict[str, Collector]:
+        """vLLM's names for the router's metrics that measure the same thing. Not aliased:
+        the queue and prefill times (kvrelay's start at the router's admission queue, vLLM's
+        at the engine's) and the KV transfer time (vLLM has none)."""
+        return {
+            "vllm:time_to_first_token_seconds": self.ttft,
+            "vllm:inter_token_latency_seconds": self.itl,
+            "vllm:time_per_output_token_seconds": self.itl,  # vLLM's name before 0.11
+            "vllm:e2e_request_latency_seconds": self.e2e,
+            "vllm:request_decode_time_seconds": self.decode_time,
+            "vllm:prompt_tokens": self.prompt_tokens,
+            "vllm:generation_tokens": self.generation_tokens,
+            "vllm:request_success": self.requests,
+        }
+
 
 class PoolStatsCollector(Collector):
     """Per-pool metrics summed (or averaged, for usage) over each pool's workers."""
@@ -161,8 +188,43 @@ class PoolStatsCollector(Collector):
         yield from (kv_bytes, failures)
 
 
+class WorkerStatsCollector(Collector):
+    """Each worker's running and waiting requests and KV usage, labelled `pool` and `worker`
+    (its engine id), for dashboards. Waiting counts requests waiting for their prompt's KV
+    too, as vllm:num_requests_waiting does."""
+
+    def __init__(self, loads: Callable[[], Sequence[WorkerLoad]]) -> None:
+        self._loads = loads
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # collected lazily: no samples at registration time
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "worker"]
+        running = GaugeMetricFamily(
+            "kvrelay_worker_num_requests_running", "Requests in the worker's running batch.",
+            labels=labels,
+        )  # fmt: skip
+        waiting = GaugeMetricFamily(
+            "kvrelay_worker_num_requests_waiting",
+            "Requests waiting in the worker's scheduler or for their prompt's KV.",
+            labels=labels,
+        )
+        usage = GaugeMetricFamily(
+            "kvrelay_worker_kv_cache_usage_ratio", "Fraction of the worker's KV blocks in use.",
+            labels=labels,
+        )  # fmt: skip
+        for load in self._loads():
+            stats, key = load.stats, [load.pool, load.worker]
+            running.add_metric(key, stats.num_running)
+            waiting.add_metric(key, stats.num_waiting + stats.num_pulling)
+            usage.add_metric(key, stats.kv_usage)
+        yield from (running, waiting, usage)
+
+
 def metric_names() -> set[str]:
     """Base names of every metric the router exports (no `_total` / `_bucket` suffixes)."""
     metrics = RouterMetrics()
     metrics.watch_pools(dict)
+    metrics.watch_workers("model", list)
     return {family.name for family in metrics.registry.collect()}

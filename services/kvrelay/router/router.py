@@ -92,6 +92,7 @@ class Router:
         config = config or RouterConfig()
         metrics = metrics or RouterMetrics()
         metrics.watch_pools(registry.by_pool)
+        metrics.watch_workers(model.id, registry.loads)
         policy = policy or RoutingPolicy(config.routing_policy)
         relay = Relay(registry, policy, config, metrics)
         admission = AdmissionController(config.max_in_flight, config.max_queued)

@@ -24,6 +24,7 @@ from kvrelay.common.messages import (
     WorkerInfo,
     WorkerStatus,
 )
+from kvrelay.gateway_metrics import WorkerLoad
 from kvrelay.router.kv_reach import warn_if_unreachable, warn_of_fallbacks
 from kvrelay.router.prefix_index import PrefixIndex
 from kvrelay.router.revisions import own_revision, pick_revision
@@ -167,6 +168,15 @@ class WorkerRegistry:
             if worker.stats is not None:
                 pools.setdefault(worker.role.pool, []).append(worker.stats)
         return pools
+
+    def loads(self) -> list[WorkerLoad]:
+        """Every worker with stats: its id, pool, whether it serves, and its latest stats (for
+        the per-worker and gateway metrics)."""
+        return [
+            WorkerLoad(w.worker_id, w.role.pool, w.serving, w.stats)
+            for w in self.workers.values()
+            if w.stats is not None
+        ]
 
     async def add(self, actor: Any) -> WorkerState:
         """Register a worker: learn what it is and introduce it to its peers.
