@@ -62,11 +62,14 @@ def test_chat_streams_replies_and_exits_on_command(default_model_dir: Path) -> N
 def test_bad_arguments_exit_with_a_clear_message(tmp_path: Path) -> None:
     out = run(["generate", "hi", "--temperature", "-1", "--model", str(tmp_path)])
     assert out.returncode == 2
-    assert "kvrelay: error: temperature must be" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert out.stderr == (
+        "kvrelay generate: error: argument --temperature: must be >= 0, got -1 "
+        "(see kvrelay generate --help)\n"
+    )
     missing = run(["generate", "hi", "--model", str(tmp_path / "nope")])
     assert missing.returncode == 2
-    assert "not found" in missing.stderr
+    assert "argument --model: model" in missing.stderr and "not found" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_serve_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:

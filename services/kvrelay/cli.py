@@ -8,9 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvrelay.engine.args import EngineArgs
+from kvrelay.cli_flags import (
+    LOG_LEVELS,
+    flag_error,
+    http_url,
+    log_level,
+    non_empty,
+    readable_file,
+    sampling,
+)
+from kvrelay.engine.args import ENGINE_FLAG_NAMES, EngineArgs
 
 if TYPE_CHECKING:
     from kvrelay.common.sampling_params import SamplingParams
@@ -31,40 +40,35 @@ examples:
 def _add_sampling_args(
     parser: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
 ) -> None:
+    """The sampling flags, each checked by SamplingParams' rule for it as it is parsed."""
     group = parser.add_argument_group("sampling")
     add = group.add_argument
-    add(
-        "--max-tokens",
-        type=int,
-        default=max_tokens,
-        help=f"tokens to generate (default {max_tokens})",
-    )
-    add(
-        "--min-tokens", type=int, default=0, help="tokens before EOS may end the output (default 0)"
-    )
-    add(
-        "--temperature",
-        type=float,
-        default=temperature,
-        help=f"0 is greedy (default {temperature})",
-    )
-    add("--top-p", type=float, default=top_p, help=f"nucleus mass in (0, 1] (default {top_p})")
-    add("--top-k", type=int, default=0, help="keep the k likeliest tokens, 0 for all (default 0)")
-    add(
-        "--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one (default 0)"
-    )
-    add("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
-    add("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
-    add("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
-    add(
-        "--sampling-seed",
-        dest="sample_seed",
-        type=int,
-        default=None,
-        help="per-request sampling seed (same seed, same output)",
-    )
-    add("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add("--max-tokens", type=sampling("max_tokens", int), default=max_tokens,
+        help=f"tokens to generate (default {max_tokens})")  # fmt: skip
+    add("--min-tokens", type=sampling("min_tokens", int), default=0,
+        help="tokens before EOS may end the output (default 0)")  # fmt: skip
+    add("--temperature", type=sampling("temperature", float), default=temperature,
+        help=f"0 is greedy (default {temperature})")  # fmt: skip
+    add("--top-p", type=sampling("top_p", float), default=top_p,
+        help=f"nucleus mass in (0, 1] (default {top_p})")  # fmt: skip
+    add("--top-k", type=sampling("top_k", int), default=0,
+        help="keep the k likeliest tokens, 0 for all (default 0)")  # fmt: skip
+    add("--min-p", type=sampling("min_p", float), default=0.0,
+        help="drop tokens below min_p x the top one (default 0)")  # fmt: skip
+    add("--repetition-penalty", type=sampling("repetition_penalty", float), default=1.0,
+        help="> 1 discourages repeats (default 1)")  # fmt: skip
+    add("--presence-penalty", type=sampling("presence_penalty", float), default=0.0,
+        help="in [-2, 2] (default 0)")  # fmt: skip
+    add("--frequency-penalty", type=sampling("frequency_penalty", float), default=0.0,
+        help="in [-2, 2] (default 0)")  # fmt: skip
+    add("--sampling-seed", dest="sample_seed", type=sampling("seed", int), default=None,
+        help="per-request sampling seed (same seed, same output)")  # fmt: skip
+    add("--stop", action="append", type=non_empty, default=[], help="a stop string (repeatable)")
     add("--ignore-eos", action="store_true", help="keep going past EOS until --max-tokens")
+
+
+# SamplingParams' fields under their flags' names, for the rules between them.
+_SAMPLING_FLAGS = {"min_tokens": "--min-tokens", "max_tokens": "--max-tokens", "n": "-n"}
 
 
 def _sampling_params(ns: argparse.Namespace, n: int = 1) -> SamplingParams:
@@ -87,16 +91,29 @@ def _sampling_params(ns: argparse.Namespace, n: int = 1) -> SamplingParams:
     )
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (exit code 2), without the usage block: a
+    bad flag is `kvrelay serve: error: argument --block-size: ...`, its fix in the text."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvrelay import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="kvrelay",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvrelay {__version__}")
-    parser.add_argument("--log-level", default="WARNING", help="python log level (default WARNING)")
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default="WARNING",
+        help=f"python log level: {', '.join(LOG_LEVELS)} (default WARNING)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     gen = commands.add_parser(
@@ -107,9 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
+    gen.add_argument(
+        "-n", type=sampling("n", int), default=1, help="samples per prompt (default 1)"
+    )
     _add_sampling_args(gen, max_tokens=64)
     EngineArgs.add_cli_args(gen)
+    gen.set_defaults(check_flags=_check_generate, command_parser=gen)
 
     _add_chat_parser(commands)
 
@@ -142,12 +162,14 @@ def _add_chat_parser(commands: Any) -> None:
     chat.add_argument("--system", default=None, help="a system message to start the chat with")
     chat.add_argument(
         "--url",
+        type=http_url,
         default=None,
         help="chat with a running server (e.g. http://127.0.0.1:8000) instead of loading the "
         "model here; its API key comes from KVRELAY_API_KEY",
     )
     chat.add_argument(
         "--ca-certs",
+        type=readable_file,
         default=None,
         metavar="PEM",
         help="with an https --url: the CA bundle the server's certificate must chain to "
@@ -155,22 +177,67 @@ def _add_chat_parser(commands: Any) -> None:
     )
     chat.add_argument(
         "--client-cert",
+        type=readable_file,
         default=None,
         metavar="PEM",
         help="with an https --url: a client certificate, for a server started with "
         "--ssl-ca-certs (mTLS); needs --client-key",
     )
-    chat.add_argument("--client-key", default=None, metavar="PEM", help="--client-cert's key")
+    chat.add_argument(
+        "--client-key", type=readable_file, default=None, metavar="PEM", help="--client-cert's key"
+    )
     # A small model repeats itself under greedy decoding: chat samples by default.
     _add_sampling_args(chat, max_tokens=512, temperature=0.7, top_p=0.9)
     EngineArgs.add_cli_args(chat)
+    chat.set_defaults(check_flags=_check_chat, command_parser=chat)
+
+
+def _check_generate(ns: argparse.Namespace) -> None:
+    """The rules between generate's flags (each flag's own are checked as it is parsed)."""
+    _check_sampling(ns, ns.n)
+    check_engine_flags(ns, EngineArgs.from_cli_args)
+
+
+def _check_chat(ns: argparse.Namespace) -> None:
+    _check_sampling(ns, 1)
+    if ns.url is None:
+        tls = [f for f in ("ca_certs", "client_cert", "client_key") if getattr(ns, f)]
+        if tls:
+            raise ValueError(f"--{tls[0].replace('_', '-')} is for a server at --url: add --url")
+        check_engine_flags(ns, EngineArgs.from_cli_args)
+        return
+    if (ns.client_cert is None) != (ns.client_key is None):
+        raise ValueError("--client-cert and --client-key go together (a certificate and its key)")
+    given, default = EngineArgs.from_cli_args(ns), EngineArgs()
+    changed = [f for f in ENGINE_FLAG_NAMES if getattr(given, f) != getattr(default, f)]
+    if changed:
+        raise ValueError(
+            f"{ENGINE_FLAG_NAMES[changed[0]]} sets up a model loaded here, but with --url the "
+            "server's model answers: drop one of them"
+        )
+
+
+def _check_sampling(ns: argparse.Namespace, n: int) -> None:
+    try:
+        _sampling_params(ns, n)
+    except ValueError as exc:
+        flag_error(ns.command_parser, exc, _SAMPLING_FLAGS)
+
+
+def check_engine_flags(ns: argparse.Namespace, make: Callable[[argparse.Namespace], Any]) -> None:
+    """`make(ns)` (EngineArgs from the flags) or the one-line error naming the flag of the
+    field a rule between fields refused (e.g. --int8-activations without --quantization)."""
+    try:
+        make(ns)
+    except ValueError as exc:
+        flag_error(ns.command_parser, exc, ENGINE_FLAG_NAMES)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from kvrelay.llm import LLM
 
     params = _sampling_params(ns, n=ns.n)  # bad flags fail before the model loads
-    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns).with_resolved_model()))
     prompts: list[Any] = (
         [llm.chat_prompt([{"role": "user", "content": p}]) for p in ns.prompt]
         if ns.chat
@@ -197,7 +264,7 @@ def _chat_streamer(ns: argparse.Namespace) -> Callable[[list[dict[str, str]]], I
         return RemoteChat(ns.url, params, ssl_context=context).stream
     from kvrelay.llm import LLM
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns).with_resolved_model()))
     return lambda history: llm.stream(llm.chat_prompt(history), params)
 
 
@@ -250,7 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import logging
 
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(ns, "check_flags"):
+        try:
+            ns.check_flags(ns)  # the rules between flags: before anything starts, too
+        except ValueError as exc:
+            ns.command_parser.error(str(exc))
+    logging.basicConfig(level=ns.log_level, format="%(levelname)s %(name)s: %(message)s")
     from kvrelay import cli_serve
 
     handlers = {

@@ -16,9 +16,17 @@ import sys
 import threading
 from typing import Any
 
+from kvrelay.cli_flags import (
+    int_at_least,
+    non_empty,
+    port,
+    readable_file,
+    seconds,
+    size,
+)
 from kvrelay.common.env import API_KEY
 from kvrelay.config import RouterConfig
-from kvrelay.engine.args import EngineArgs
+from kvrelay.engine.args import KV_TRANSFER_FAILURES, EngineArgs, flag_type
 from kvrelay.worker.ray_cluster import DEFAULT_JOIN_TIMEOUT_S, join_ray_cluster
 
 SERVE_EPILOG = """\
@@ -33,10 +41,12 @@ examples:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("APIs")
     add = group.add_argument
-    add("--http-host", default="127.0.0.1", help="OpenAI HTTP API address (default 127.0.0.1)")
-    add("--http-port", type=int, default=8000, help="OpenAI HTTP API port (default 8000)")
-    add("--grpc-host", default="127.0.0.1", help="gRPC API address (default 127.0.0.1)")
-    add("--grpc-port", type=int, default=50051, help="gRPC API port (default 50051)")
+    add("--http-host", type=non_empty, default="127.0.0.1",
+        help="OpenAI HTTP API address (default 127.0.0.1)")  # fmt: skip
+    add("--http-port", type=port, default=8000, help="OpenAI HTTP API port (default 8000)")
+    add("--grpc-host", type=non_empty, default="127.0.0.1",
+        help="gRPC API address (default 127.0.0.1)")  # fmt: skip
+    add("--grpc-port", type=port, default=50051, help="gRPC API port (default 50051)")
     add(
         "--api-key",
         default=None,
@@ -46,33 +56,41 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--api-key-env",
+        type=non_empty,
         default=API_KEY.name,
         help="environment variable holding the API key clients must send; unset or empty "
         "means no key (default KVRELAY_API_KEY)",
     )
-    add("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
-        "finish on shutdown (default 30)")  # fmt: skip
+    add("--drain-timeout", type=seconds(zero=True), default=30.0,
+        help="seconds in-flight requests get to finish on shutdown (default 30)")  # fmt: skip
     add(
         "--max-body-bytes",
-        type=int,
+        type=size,
         default=4 * 1024 * 1024,
-        help="largest HTTP request body / gRPC message; larger ones get 413 / "
-        "RESOURCE_EXHAUSTED (default 4 MiB)",
+        help="largest HTTP request body / gRPC message, e.g. 4194304 or 4MiB; larger ones get "
+        "413 / RESOURCE_EXHAUSTED (default 4 MiB)",
     )
     _add_tls_args(group)
+    _add_router_args(parser)
+
+
+def _add_router_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("router")
     add = group.add_argument
-    add("--served-model-name", default=None, help="model id clients use (default: folder name)")
-    add("--max-in-flight", type=int, default=256, help="requests running at once (default 256)")
+    add("--served-model-name", type=non_empty, default=None, help="model id clients use "
+        "(default: the Hugging Face id, or the model folder's name)")  # fmt: skip
+    add("--max-in-flight", type=int_at_least(1), default=256,
+        help="requests running at once (default 256)")  # fmt: skip
     # Its dest is RouterConfig's name for it: the one place the flag's spelling is mapped.
-    add("--migration-timeout", dest="migration_wait_s", type=float, default=60.0, help="seconds "
+    add("--migration-timeout", dest="migration_wait_s", type=seconds(zero=True), default=60.0,
+        help="seconds "
         "a stream whose worker died waits for another to resume it at (a replacement starting), "
         "then fails with 503 (default 60)")  # fmt: skip
-    add("--max-n", type=int, default=128, help="most samples (n) one request may ask for "
-        "(default 128)")  # fmt: skip
+    add("--max-n", type=int_at_least(1), default=128,
+        help="most samples (n) one request may ask for (default 128)")  # fmt: skip
     add(
         "--max-queued",
-        type=int,
+        type=int_at_least(0),
         default=512,
         help="requests waiting beyond --max-in-flight; more get 429 (default 512)",
     )
@@ -84,35 +102,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-local-prefill-tokens",
-        type=int,
+        type=int_at_least(0),
         default=64,
         help="prompts with at most this many tokens not cached at the decode worker run "
         "whole there, without a prefill worker (default 64)",
     )
 
 
-def _pem_file(path: str) -> str:
-    """An argparse type: a file this process can read, checked before anything starts."""
-    if not os.access(path, os.R_OK) or not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"cannot read {path}")
-    return path
-
-
 def _add_tls_args(group: Any) -> None:
     add = group.add_argument
     add(
         "--ssl-certfile",
-        type=_pem_file,
+        type=readable_file,
         default=None,
         metavar="PEM",
         help="server certificate (chain); with --ssl-keyfile both APIs speak TLS only: "
         "https:// and a TLS gRPC port (default: plaintext)",
     )
-    add("--ssl-keyfile", type=_pem_file, default=None, metavar="PEM",
+    add("--ssl-keyfile", type=readable_file, default=None, metavar="PEM",
         help="private key of --ssl-certfile")  # fmt: skip
     add(
         "--ssl-ca-certs",
-        type=_pem_file,
+        type=readable_file,
         default=None,
         metavar="PEM",
         help="CA bundle for client certificates (mTLS): HTTP and gRPC clients without a "
@@ -136,18 +147,21 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV relay between workers: NIXL (UCX) when installed, else gRPC (default auto)",
     )
-    add("--kv-lease-seconds", type=float, default=30.0, help="how long a prefill worker holds a "
-        "handed-off prompt's KV for its decode worker (default 30)")  # fmt: skip
+    add("--kv-lease-seconds", type=flag_type("kv_lease_seconds", float), default=30.0,
+        help="how long a prefill worker holds a handed-off prompt's KV for its decode worker "
+        "(default 30)")  # fmt: skip
     add(
         "--kv-transfer-failure",
-        choices=["recompute", "fail"],
+        choices=KV_TRANSFER_FAILURES,
         default="recompute",
         help="when a KV pull fails: recompute the prompt at the decode worker, or fail",
     )
-    add("--worker-threads", type=int, default=None, help="torch threads per worker (default: "
-        "the machine's cores shared among the workers)")  # fmt: skip
+    add("--worker-threads", type=int_at_least(1), default=None,
+        help="torch threads per worker (default: the machine's cores shared among the "
+        "workers)")  # fmt: skip
     add(
         "--kv-secret-file",
+        type=readable_file,
         default=None,
         metavar="PATH",
         help="file holding the secret every KV pull between workers is authenticated with "
@@ -158,6 +172,15 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_serve_parsers(commands: Any) -> None:
+    """`serve`, `router`, `worker` and `operator`, each flag checked as it is parsed and the
+    rules between flags by its `check_flags`, before anything starts."""
+    _add_serve_parser(commands)
+    _add_router_parser(commands)
+    _add_worker_parser(commands)
+    _add_operator_parser(commands)
+
+
+def _add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve",
         help="start the whole platform locally: Ray, workers, router, APIs",
@@ -168,14 +191,20 @@ def build_serve_parsers(commands: Any) -> None:
     )
     EngineArgs.add_cli_args(serve)
     add_pool_args(serve)
-    serve.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default 1)")
-    serve.add_argument("--num-decode", type=int, default=1, help="decode workers (default 1)")
+    serve.add_argument("--num-prefill", type=int_at_least(1), default=None,
+                       help="prefill workers (default 1; none with --colocated)")  # fmt: skip
+    serve.add_argument("--num-decode", type=int_at_least(1), default=1,
+                       help="decode workers (default 1)")  # fmt: skip
     serve.add_argument(
         "--colocated", action="store_true", help="--num-decode workers doing both, no relay"
     )
-    serve.add_argument("--ray-address", default=None, help="join this Ray cluster instead")
+    serve.add_argument("--ray-address", type=non_empty, default=None,
+                       help="join this Ray cluster instead")  # fmt: skip
     add_server_args(serve)
+    serve.set_defaults(check_flags=_check_serve, command_parser=serve)
 
+
+def _add_router_parser(commands: Any) -> None:
     router = commands.add_parser(
         "router",
         help="run the router and APIs over workers on a Ray cluster",
@@ -184,7 +213,8 @@ def build_serve_parsers(commands: Any) -> None:
     )
     EngineArgs.add_cli_args(router)
     add_pool_args(router)
-    router.add_argument("--ray-address", required=True, help="e.g. auto or ray://HEAD:10001")
+    router.add_argument("--ray-address", type=non_empty, required=True,
+                        help="e.g. auto or ray://HEAD:10001")  # fmt: skip
     _add_join_timeout(router)
     router.add_argument(
         "--manage-workers",
@@ -192,7 +222,10 @@ def build_serve_parsers(commands: Any) -> None:
         help="keep one worker per unit of the Ray resources kvrelay_prefill / kvrelay_decode",
     )
     add_server_args(router)
+    router.set_defaults(check_flags=_check_serving, command_parser=router)
 
+
+def _add_worker_parser(commands: Any) -> None:
     worker = commands.add_parser(
         "worker",
         help="start one worker on this Ray node and keep it until stopped",
@@ -202,9 +235,13 @@ def build_serve_parsers(commands: Any) -> None:
     EngineArgs.add_cli_args(worker)
     add_pool_args(worker)
     worker.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
-    worker.add_argument("--ray-address", default="auto", help="the Ray cluster (default auto)")
+    worker.add_argument("--ray-address", type=non_empty, default="auto",
+                        help="the Ray cluster (default auto)")  # fmt: skip
     _add_join_timeout(worker)
+    worker.set_defaults(check_flags=_check_worker, command_parser=worker)
 
+
+def _add_operator_parser(commands: Any) -> None:
     operator = commands.add_parser(
         "operator",
         help="run the Kubernetes operator (KVRelayService -> RayCluster, router, pools)",
@@ -219,12 +256,34 @@ def build_serve_parsers(commands: Any) -> None:
 def _add_join_timeout(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ray-join-timeout",
-        type=float,
+        type=seconds(zero=False),
         default=DEFAULT_JOIN_TIMEOUT_S,
         metavar="SECONDS",
         help="how long to wait for the Ray cluster to come up (default "
         f"{DEFAULT_JOIN_TIMEOUT_S:.0f}; on Kubernetes the head may start after this pod)",
     )
+
+
+def _check_worker(ns: argparse.Namespace) -> None:
+    """The rules between a worker's flags (each flag's own are checked as it is parsed)."""
+    from kvrelay.cli import check_engine_flags
+
+    check_engine_flags(ns, _engine_args)
+
+
+def _check_serving(ns: argparse.Namespace) -> None:
+    """A router's (and `serve`'s): the engine's rules and the TLS flags' pairs."""
+    _check_worker(ns)
+    _server_config(ns)
+
+
+def _check_serve(ns: argparse.Namespace) -> None:
+    _check_serving(ns)
+    if ns.colocated and ns.num_prefill is not None:
+        raise ValueError(
+            "argument --num-prefill: --colocated runs no prefill workers (--num-decode "
+            "workers do both): drop one of them"
+        )
 
 
 def cmd_operator(ns: argparse.Namespace) -> int:
@@ -286,9 +345,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvrelay.worker.pools import Pools
 
     server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
-    engine_args = _engine_args(ns)
-    engine_args.resolve_model_path()  # fail fast (and fetch the default model) before Ray
-    num_workers = ns.num_decode if ns.colocated else ns.num_prefill + ns.num_decode
+    # Fail fast (and fetch the default model, or a Hub id's snapshot) before Ray.
+    engine_args = _engine_args(ns).with_resolved_model()
+    num_prefill = 1 if ns.num_prefill is None else ns.num_prefill
+    num_workers = ns.num_decode if ns.colocated else num_prefill + ns.num_decode
     threads = ns.worker_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
     from kvrelay.transfer.factory import pick_backend
     from kvrelay.transfer.tls import KVTLS
@@ -298,13 +358,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     pools_text = (
         f"{ns.num_decode} colocated worker(s)"
         if ns.colocated
-        else f"{ns.num_prefill} prefill + {ns.num_decode} decode worker(s), "
-        f"KV relay over {transfer}"
+        else f"{num_prefill} prefill + {ns.num_decode} decode worker(s), KV relay over {transfer}"
     )
     print(f"kvrelay: starting {pools_text} on Ray...", flush=True)
     pools = Pools.start(
         str(engine_args.resolve_model_path()),
-        ns.num_prefill,
+        num_prefill,
         ns.num_decode,
         ns.colocated,
         ns.transfer_backend,
@@ -338,7 +397,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
     from kvrelay.router.workers import WorkerRegistry
 
     server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
-    engine_args = _engine_args(ns)
+    engine_args = _engine_args(ns).with_resolved_model()  # before Ray, as for serve
     join_ray_cluster(ns.ray_address, NAMESPACE, ns.ray_join_timeout)
     background = []
     if ns.manage_workers:
@@ -369,7 +428,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     from kvrelay.router.discovery import NAMESPACE, worker_name
     from kvrelay.worker.pools import spawn_worker
 
-    engine_args = _engine_args(ns)
+    engine_args = _engine_args(ns).with_resolved_model()  # a Hub id fetched before Ray
     join_ray_cluster(ns.ray_address, NAMESPACE, ns.ray_join_timeout)
     name = worker_name(ns.role)
     actor = spawn_worker(

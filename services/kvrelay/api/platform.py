@@ -37,9 +37,10 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
 
 
 def model_card(engine_args: EngineArgs, served_name: str | None) -> ModelCard:
-    path = engine_args.resolve_model_path()
-    engine_config = engine_args.create_engine_config(path)
-    return ModelCard(served_name or path.name, engine_config.max_model_len, int(time.time()))
+    """The served model; its default name is the Hugging Face id, or the folder's name."""
+    resolved = engine_args.resolve_model()
+    engine_config = engine_args.create_engine_config(resolved.path)
+    return ModelCard(served_name or resolved.name, engine_config.max_model_len, int(time.time()))
 
 
 async def run_router(

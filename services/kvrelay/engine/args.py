@@ -1,16 +1,20 @@
 """Engine arguments as users pass them (`LLM(**kwargs)`, CLI flags), turned into an Engine.
 
-One table of fields drives both the keyword arguments and the CLI flags with their help.
+One table of fields drives both the keyword arguments and the CLI flags with their help, and
+one table of checks validates every value when the arguments are made (`LLM(**kwargs)`) or the
+flags parsed, before anything loads. What `--model` names is resolved in kvrelay.common.model_ref.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvrelay.common.model_ref import ResolvedModel, resolve_model_ref
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 if TYPE_CHECKING:  # torch is imported when an engine is configured, not for the CLI's flags
@@ -33,6 +37,103 @@ def parse_bytes(value: int | str) -> int:
     power = "kmgt".index(unit[0]) + 1
     base = 1024 if unit.endswith("i") else 1000
     return int(number * base**power)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "auto", "q4_1", "q8_0")  # models/quantized_loading.py's
+# kvrelay_kernels' backends (importing them imports torch; tests/test_cli_flags.py compares).
+ATTENTION_BACKENDS = ("auto", "cuda", "triton", "cpu", "torch")
+ROLES = ("both", "prefill", "decode")
+KV_TRANSFER_FAILURES = ("recompute", "fail")
+_DEVICE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
+
+
+def _int(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    """`value` if it is an int (in [low, high], where given)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if low is not None and (value < low or (high is not None and value > high)):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _number(name: str, value: Any, low: float, high: float | None = None) -> None:
+    """A number > `low` (and <= `high`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if value <= low or (high is not None and value > high):
+        bound = f"> {low:g}" if high is None else f"in ({low:g}, {high:g}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _size(value: int | str) -> int:
+    try:
+        return parse_bytes(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"kv_cache_memory must be a size such as 536870912, 512MiB or 2GB, got {value!r}"
+        ) from None
+
+
+def _device(value: Any) -> None:
+    if not isinstance(value, str) or not _DEVICE.match(value):
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:N or meta, got {value!r}")
+
+
+def _model(value: Any) -> None:
+    if value is not None and not isinstance(value, str | Path):
+        raise ValueError(f"model must be a folder, an ORG/NAME id or None, got {value!r}")
+
+
+# One check per EngineArgs field; each raises ValueError naming the field. The block and
+# scheduler limits are the config dataclasses' own rules (kvrelay/config.py), not copies.
+FIELD_CHECKS: dict[str, Callable[[Any], object]] = {
+    "model": _model,
+    "block_size": lambda v: CacheConfig(block_size=_int("block_size", v)),
+    "num_blocks": lambda v: v is None or CacheConfig(num_blocks=_int("num_blocks", v)),
+    "kv_cache_memory": lambda v: v is None or CacheConfig(kv_cache_memory=_size(v)),
+    "gpu_memory_utilization": lambda v: _number("gpu_memory_utilization", v, 0, 1),
+    "enable_prefix_caching": lambda v: _bool("enable_prefix_caching", v),
+    "max_num_batched_tokens": lambda v: SchedulerConfig(
+        max_num_batched_tokens=_int("max_num_batched_tokens", v)
+    ),
+    "max_num_seqs": lambda v: SchedulerConfig(max_num_seqs=_int("max_num_seqs", v)),
+    "long_prefill_token_threshold": lambda v: SchedulerConfig(
+        long_prefill_token_threshold=_int("long_prefill_token_threshold", v)
+    ),
+    "max_model_len": lambda v: v is None or _int("max_model_len", v, 1),
+    "dtype": lambda v: _choice("dtype", v, DTYPES),
+    "quantization": lambda v: _choice("quantization", v, QUANTIZATIONS),
+    "int8_activations": lambda v: _bool("int8_activations", v),
+    "device": _device,
+    "seed": lambda v: _int("seed", v, 0, 2**64 - 1),
+    "num_threads": lambda v: v is None or _int("num_threads", v, 1),
+    "attention_backend": lambda v: _choice("attention_backend", v, ATTENTION_BACKENDS),
+    "enforce_eager": lambda v: _bool("enforce_eager", v),
+    "role": lambda v: _choice("role", v, ROLES),
+    "kv_lease_seconds": lambda v: _number("kv_lease_seconds", v, 0),
+    "kv_transfer_failure": lambda v: _choice("kv_transfer_failure", v, KV_TRANSFER_FAILURES),
+}
+
+
+def check_combination(args: EngineArgs) -> None:
+    """The rules between fields (each field's own are FIELD_CHECKS)."""
+    if args.int8_activations and args.quantization == "none":
+        raise ValueError(
+            "int8_activations multiplies GGUF-quantized weights only: add quantization q4_1, "
+            "q8_0 or auto (--quantization; the default model keeps its Q4_1 GGUF), or drop it"
+        )
 
 
 @dataclass
@@ -62,36 +163,65 @@ class EngineArgs:
     kv_lease_seconds: float = 30.0  # prefill role: how long a handed-off KV waits for a pull
     kv_transfer_failure: str = "recompute"  # decode role: "recompute" | "fail" an unusable KV
 
-    def resolve_model_path(self) -> Path:
-        """The model folder; no model named means the embedded default (pulled once)."""
+    def __post_init__(self) -> None:
+        """Every value checked now, before anything loads.
+
+        Raises:
+            ValueError: a value out of its range or choices, naming the field.
+        """
+        for f in fields(self):
+            FIELD_CHECKS[f.name](getattr(self, f.name))
+        check_combination(self)
+
+    def resolve_model(self) -> ResolvedModel:
+        """The model folder (a local one, or a Hugging Face id's snapshot from the Hub cache,
+        downloaded when absent and not offline); no model named means the embedded default
+        (pulled once).
+
+        Raises:
+            FileNotFoundError: see kvrelay.common.model_ref.resolve_model_ref.
+        """
         if self.model is None:
             from kvrelay.models.default_model import pull_default_model
 
-            return pull_default_model(progress=True)
-        path = Path(self.model).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {self.model!r} not found: pass a local Hugging Face folder "
-                "(config.json, *.safetensors, tokenizer files), or no model for the default "
-                "one; kvrelay never downloads from a model hub"
-            )
-        return path
+            return ResolvedModel(pull_default_model(progress=True))
+        return resolve_model_ref(str(self.model), self.quantization)
 
-    def create_engine_config(self, model_path: Path) -> EngineConfig:
-        model_config = ModelConfig.from_pretrained(model_path)
+    def resolve_model_path(self) -> Path:
+        """The model folder, as `resolve_model`."""
+        return self.resolve_model().path
+
+    def with_resolved_model(self) -> EngineArgs:
+        """These args with the model resolved now (a Hub id fetched into the Hub cache) and
+        max_model_len checked against its config.json: what the commands do before Ray, a
+        server or a model load starts. A Hub id is pinned to its snapshot's commit, so every
+        process these args go to (router, prefill and decode workers) loads the same files.
+
+        Raises:
+            FileNotFoundError: the model cannot be had; ValueError: max_model_len too long.
+        """
+        resolved = self.resolve_model()
+        self.check_against_model(resolved.path)
+        return replace(self, model=resolved.pinned) if resolved.hub_id else self
+
+    def check_against_model(self, path: Path) -> ModelConfig:
+        """The folder's model config, after checking max_model_len against it (reads
+        config.json only: the CLI calls it before Ray or a model load)."""
+        model_config = ModelConfig.from_pretrained(path)
         max_len = self.max_model_len or model_config.max_position_embeddings
         if max_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_len} is longer than the model's "
                 f"{model_config.max_position_embeddings} positions"
             )
+        return model_config
+
+    def create_engine_config(self, model_path: Path) -> EngineConfig:
+        model_config = self.check_against_model(model_path)
+        max_len = self.max_model_len or model_config.max_position_embeddings
         from kvrelay.engine.device import resolve_device, resolve_dtype
 
         device = resolve_device(self.device)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
         return EngineConfig(
             model=str(model_path),
             model_config=model_config,
@@ -182,51 +312,34 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field, with help, to `parser`."""
+        """Add one flag per field, with help, to `parser`; each value is checked as it is
+        parsed (FIELD_CHECKS), so a bad one is argparse's one-line error naming the flag."""
         group = parser.add_argument_group("engine")
         add = group.add_argument
-        add("--model", default=None, help=_HELP["model"])
-        add("--block-size", type=int, default=16, help=_HELP["block_size"])
-        add("--num-blocks", type=int, default=None, help=_HELP["num_blocks"])
-        add("--kv-cache-memory", default=None, help=_HELP["kv_cache_memory"])
-        add(
-            "--gpu-memory-utilization",
-            type=float,
-            default=0.9,
-            help=_HELP["gpu_memory_utilization"],
-        )
+        add("--model", type=model_flag, default=None, help=_HELP["model"])
+        for name, convert, default in _NUMBER_FLAGS:
+            add(_flag(name), type=flag_type(name, convert), default=default, help=_HELP[name])
         add(
             "--no-prefix-caching",
             dest="enable_prefix_caching",
             action="store_false",
             help=_HELP["enable_prefix_caching"],
         )
-        add("--max-num-batched-tokens", type=int, default=512, help=_HELP["max_num_batched_tokens"])
-        add("--max-num-seqs", type=int, default=128, help=_HELP["max_num_seqs"])
         add(
-            "--long-prefill-token-threshold",
-            type=int,
-            default=0,
-            help=_HELP["long_prefill_token_threshold"],
+            "--kv-cache-memory",
+            type=flag_type("kv_cache_memory", str),
+            help=_HELP["kv_cache_memory"],
         )
-        add("--max-model-len", type=int, default=None, help=_HELP["max_model_len"])
-        add(
-            "--dtype",
-            choices=["auto", "float32", "bfloat16", "float16"],
-            default="auto",
-            help=_HELP["dtype"],
-        )
-        add(
-            "--quantization",
-            choices=["none", "auto", "q4_1", "q8_0"],
-            default="none",
-            help=_HELP["quantization"],
-        )
+        add("--dtype", choices=DTYPES, default="auto", help=_HELP["dtype"])
+        add("--quantization", choices=QUANTIZATIONS, default="none", help=_HELP["quantization"])
         add("--int8-activations", action="store_true", help=_HELP["int8_activations"])
-        add("--device", default="auto", help=_HELP["device"])
-        add("--seed", type=int, default=0, help=_HELP["seed"])
-        add("--num-threads", type=int, default=None, help=_HELP["num_threads"])
-        add("--attention-backend", default="auto", help=_HELP["attention_backend"])
+        add("--device", type=flag_type("device", str), default="auto", help=_HELP["device"])
+        add(
+            "--attention-backend",
+            choices=ATTENTION_BACKENDS,
+            default="auto",
+            help=_HELP["attention_backend"],
+        )
         add("--enforce-eager", action="store_true", help=_HELP["enforce_eager"])
 
     @classmethod
@@ -234,9 +347,68 @@ class EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
 
+# The numeric engine flags: field, how the text converts, default.
+_NUMBER_FLAGS: tuple[tuple[str, Callable[[str], Any], Any], ...] = (
+    ("block_size", int, 16),
+    ("num_blocks", int, None),
+    ("gpu_memory_utilization", float, 0.9),
+    ("max_num_batched_tokens", int, 512),
+    ("max_num_seqs", int, 128),
+    ("long_prefill_token_threshold", int, 0),
+    ("max_model_len", int, None),
+    ("seed", int, 0),
+    ("num_threads", int, None),
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# Each EngineArgs field's flag, for errors about a field to name the flag the user typed.
+ENGINE_FLAG_NAMES = {
+    f.name: "--no-prefix-caching" if f.name == "enable_prefix_caching" else _flag(f.name)
+    for f in fields(EngineArgs)
+}
+
+
+def flag_type(name: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse `type=` for field `name`: the text converted (argparse's own "invalid int
+    value" when it does not), then FIELD_CHECKS[name], whose message argparse prints after
+    the flag (`argument --block-size: must be a power of two in [1, 128], got 3`)."""
+
+    def parse(text: str) -> Any:
+        value = convert(text)
+        try:
+            FIELD_CHECKS[name](value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name} ")) from None
+        return value
+
+    parse.__name__ = getattr(convert, "__name__", name)  # argparse names it in its errors
+    return parse
+
+
+def model_flag(text: str) -> str:
+    """`--model`: a folder with a config.json, or the form of a Hub id (fetched later, by
+    the command, before anything starts); never the network here."""
+    from kvrelay.common.model_ref import check_folder, parse_model_ref
+
+    try:
+        ref = parse_model_ref(text)
+        if isinstance(ref, Path):
+            check_folder(ref)
+    except FileNotFoundError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 _HELP = {
-    "model": "model folder in Hugging Face layout (config.json, *.safetensors, tokenizer); "
-    "default: the embedded SmolLM2-135M-Instruct, converted once into ~/.cache/kvrelay",
+    "model": "a model folder in Hugging Face layout (config.json, *.safetensors, tokenizer), "
+    "or a Hugging Face id ORG/NAME[@REVISION] taken from the Hugging Face cache (HF_HOME, "
+    "HF_HUB_CACHE) or downloaded into it (HF_TOKEN for gated models; HF_HUB_OFFLINE=1: the "
+    "cache only); a path that exists wins over an id. Default: the embedded "
+    "SmolLM2-135M-Instruct, converted once into ~/.cache/kvrelay",
     "block_size": "tokens per KV block (power of two, default 16)",
     "num_blocks": "KV cache size in blocks; overrides --kv-cache-memory",
     "kv_cache_memory": "KV cache budget in bytes, e.g. 512MiB or 2GB (default: on CUDA, what "
