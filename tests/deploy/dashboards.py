@@ -10,7 +10,8 @@ from functools import cache
 from tests.deploy.schemas import CHART
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
-_METRIC = re.compile(r"\bkvrelay_[a-z0-9_]+")
+# kvrelay's own names, and vLLM's that the router also exports (gateway_metrics.py).
+_METRIC = re.compile(r"\b(?:kvrelay_|vllm:)[a-z0-9_]+")
 _SUFFIX = re.compile(r"_(bucket|sum|count|total)$")
 
 

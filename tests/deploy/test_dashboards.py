@@ -34,6 +34,8 @@ def test_metric_check_catches_a_typo() -> None:
     assert not metric_base_names("rate(kvrelay_time_to_first_tokn_seconds_bucket[5m])") <= (
         exported_metric_names()
     )
+    assert not metric_base_names("vllm:num_request_waiting") <= exported_metric_names()
+    assert metric_base_names("max(vllm:num_requests_waiting)") == {"vllm:num_requests_waiting"}
 
 
 # The metrics of the platform contract (docs/architecture.md section 3) and the planner's.
@@ -87,6 +89,10 @@ def test_the_dashboards_read_every_contract_metric() -> None:
         "KV transfer failures and preemptions",
         "Disaggregation decisions",
         "Pool workers vs planner target",
+        "Router load as a gateway sees it",
+        "KV cache usage as a gateway sees it",
+        "Requests per worker",
+        "KV cache usage per worker",
     ],
 )
 def test_required_panels_exist(title: str) -> None:

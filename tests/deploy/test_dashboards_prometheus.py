@@ -38,6 +38,10 @@ MUST_HAVE_DATA = {
     "Running requests per pool",
     "KV cache usage per pool",
     "Pool workers vs planner target",
+    "Router load as a gateway sees it",
+    "KV cache usage as a gateway sees it",
+    "Requests per worker",
+    "KV cache usage per worker",
 }
 
 
