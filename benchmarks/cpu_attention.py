@@ -7,9 +7,12 @@ layers); median microseconds per layer call and the ratio, fp32 and bf16. Each t
 sweeps every layer in turn, as a decode step does: a step's keys and values do not fit in the
 CPU's caches, so this is the time a step sees (with its KV read rate). "one layer again" is the
 kernel on one layer called back to back, its keys and values in cache: the arithmetic alone.
+`--sliding-window` and `--soft-cap` time a windowed or capped layer (Mistral, Gemma 2 and 3):
+the kernel reads only the window's blocks, so the read rate counts the window's keys.
 
     .venv/bin/python benchmarks/cpu_attention.py --threads 1
     .venv/bin/python benchmarks/cpu_attention.py --shapes 16x1024,64x512 --repeats 31
+    .venv/bin/python benchmarks/cpu_attention.py --shapes 16x4096 --sliding-window 256
 """
 
 from __future__ import annotations
@@ -47,7 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--head-dim", type=int, default=64)
     add("--block-size", type=int, default=16)
     add("--layers", type=int, default=30, help="layers in the cache, swept per timed call")
+    add("--sliding-window", type=int, default=None, help="keys each decode sees (default: all)")
+    add("--soft-cap", type=float, default=None, help="attention-logit soft cap (default: none)")
     return parser
+
+
+def check_variants(args: argparse.Namespace) -> None:
+    """Exit naming the flag when --sliding-window or --soft-cap is out of its domain."""
+    if args.sliding_window is not None and args.sliding_window < 1:
+        raise SystemExit(f"--sliding-window must be >= 1, got {args.sliding_window}")
+    if args.soft_cap is not None and not 0 < args.soft_cap < float("inf"):
+        raise SystemExit(f"--soft-cap must be a finite number > 0, got {args.soft_cap}")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -87,19 +100,21 @@ def measure(args: argparse.Namespace, seqs: int, context: int, dtype: torch.dtyp
     tables, lens, qsl = batch.block_tables, batch.seq_lens, batch.query_start_loc
     plan = build_plan(tables, lens, qsl, args.block_size)
     scale = args.head_dim**-0.5
+    variant = {"sliding_window": args.sliding_window, "soft_cap": args.soft_cap}
 
     def sweep(attention: Callable[..., object]) -> Callable[[], object]:
         def every_layer() -> None:
             for layer in range(args.layers):
-                attention(query, kv_cache, layer, tables, lens, qsl, scale, plan=plan)
+                attention(query, kv_cache, layer, tables, lens, qsl, scale, plan=plan, **variant)
 
         return every_layer
 
     kernel = median_us(sweep(cpu_backend.paged_attention), args.repeats) / args.layers
     ref = median_us(sweep(reference.paged_attention), args.repeats) / args.layers
     one_layer = functools.partial(cpu_backend.paged_attention, query, kv_cache, 0, tables)
-    cached = median_us(lambda: one_layer(lens, qsl, scale, plan=plan), args.repeats)
-    kv_bytes = seqs * context * 2 * args.kv_heads * args.head_dim * kv_cache.element_size()
+    cached = median_us(lambda: one_layer(lens, qsl, scale, plan=plan, **variant), args.repeats)
+    keys = min(context, args.sliding_window or context)  # the kernel reads the window only
+    kv_bytes = seqs * keys * 2 * args.kv_heads * args.head_dim * kv_cache.element_size()
     name = str(dtype).removeprefix("torch.")
     return (
         f"| {seqs} x {context} | {name} | {kernel:.0f} | {ref:.0f} | {ref / kernel:.2f}x "
@@ -109,6 +124,7 @@ def measure(args: argparse.Namespace, seqs: int, context: int, dtype: torch.dtyp
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_variants(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_backend.is_available():
@@ -117,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{args.layers} layers swept per call; microseconds per layer")
+    print(f"sliding window: {args.sliding_window or 'none'}, soft cap: {args.soft_cap or 'none'}")
     print(
         "| sequences x context | dtype | kernel us | reference us | speed-up "
         "| kernel KV read GB/s | kernel, one layer again, us |"

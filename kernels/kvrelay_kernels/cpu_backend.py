@@ -6,6 +6,7 @@ attention and block copies by the torch reference. The kernels are built once on
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -81,14 +82,14 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Same meaning as `reference.paged_attention`; decode rows go through the C++ kernel."""
+    """Same meaning as `reference.paged_attention` (sliding window and soft cap included);
+    decode rows go through the C++ kernel, prefill chunks through the reference."""
     check_variants(sliding_window, soft_cap)
     module = load_extension()
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
     kernel_takes = query.dtype in _KERNEL_DTYPES and kv_cache.dtype == query.dtype
-    variants = sliding_window is not None or soft_cap is not None  # not in the kernel yet
-    if module is None or not kernel_takes or not plan.has_decodes or variants:
+    if module is None or not kernel_takes or not plan.has_decodes:
         return reference.paged_attention(
             query,
             kv_cache,
@@ -106,14 +107,23 @@ def paged_attention(
     rows = plan.decode_token_idx
     decode_q = query if rows is None else query[rows]
 
+    args = (kv_cache, layer, plan.decode_block_tables, plan.decode_lens, scale)
+    variant = _kernel_variant(sliding_window, soft_cap)
+
     def decode(q: torch.Tensor) -> torch.Tensor:
-        result: torch.Tensor = module.paged_decode_attention(
-            q.contiguous(), kv_cache, layer, plan.decode_block_tables, plan.decode_lens, scale
-        )
+        result: torch.Tensor = module.paged_decode_attention(q.contiguous(), *args, *variant)
         return result
 
     if rows is None and out is None:
         return decode(decode_q)  # an all-decode step
     out = reference.place_decode_rows(query, rows, decode(decode_q), out)
-    reference.prefill_attention(query, kv_cache, layer, plan, scale, out)
+    reference.prefill_attention(query, kv_cache, layer, plan, scale, out, sliding_window, soft_cap)
     return out
+
+
+def _kernel_variant(sliding_window: int | None, soft_cap: float | None) -> tuple[Any, ...]:
+    """The decode kernel's trailing arguments: none for plain attention (the call stays as it
+    was), else the window and cap with 0 for "none"."""
+    if sliding_window is None and soft_cap is None:
+        return ()
+    return (sliding_window or 0, soft_cap or 0.0)

@@ -12,6 +12,12 @@
 // query heads that share a KV head (GQA) in one pass. Work is split over sequences (all their
 // KV heads in one pass per block), or over (sequence, KV head) when there are fewer sequences
 // than threads, with torch's own thread pool.
+//
+// Two per-call variants (kvrelay_kernels/attention_variants.py): a sliding window, where the
+// decode (at position len - 1) sees the keys from position len - window on, so the key loop
+// simply starts there (blocks wholly before it are never read: a windowed layer costs its
+// window, not its context); and a soft cap, each scaled score s becoming cap * tanh(s / cap)
+// before the softmax (libmvec's vector tanhf under fast-math).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -231,6 +237,16 @@ void prefetch_part(const Shape& s, const T* block, int64_t h0, int64_t heads, in
   }
 }
 
+// Each of the group's `n` scores of a tile becomes cap * tanh(score / cap).
+inline void soft_cap_scores(const Shape& s, float* scores, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t g = 0; g < s.group; ++g) {
+    float* sg = scores + g * kTile;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sg[j] = cap * std::tanh(sg[j] * inv);
+  }
+}
+
 // Online softmax over one tile of scores (`n` of them per query head): each head's running max
 // and sum take the tile in, its accumulator is rescaled once, and the scores become weights.
 inline void softmax_update(const Shape& s, float* probs, int64_t n, float* m, float* l,
@@ -289,13 +305,19 @@ struct Scratch {
   std::vector<float> part;   // [kGroupTile][kTile][kTile] partial sums of a tile's scores
 };
 
+// The first key a decode of `context` tokens sees: its last `window` keys (0: every key).
+inline int64_t first_key(int64_t context, int64_t window) {
+  return window > 0 && context > window ? context - window : 0;
+}
+
 // One sequence's KV heads [h0, h0 + heads): the attention of their query heads over the
-// sequence's keys, block by block (each block's keys and values of those heads read in one
-// pass, contiguous when every head is taken), 16 keys at a time with an online softmax.
+// sequence's keys from `first` on, block by block (each block's keys and values of those heads
+// read in one pass, contiguous when every head is taken), 16 keys at a time with an online
+// softmax; `cap` > 0 soft-caps the scores.
 template <typename T>
 void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, const T* cache,
-            const int64_t* tables, int64_t context, float scale, T* out, Scratch& w,
-            BlockStream<T>& stream) {
+            const int64_t* tables, int64_t context, int64_t first, float scale, float cap, T* out,
+            Scratch& w, BlockStream<T>& stream) {
   const int64_t group = s.group, head_dim = s.head_dim, block_size = s.block_size;
   const int64_t width = heads * group * head_dim;  // the item's query heads, one after another
   const T* qh = q + (seq * s.num_heads + h0 * group) * head_dim;
@@ -303,8 +325,9 @@ void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, 
   std::fill(w.acc.begin(), w.acc.begin() + width, 0.f);
   std::fill(w.m.begin(), w.m.begin() + heads * group, kNoScore);
   std::fill(w.l.begin(), w.l.begin() + heads * group, 0.f);
-  for (int64_t start = 0; start < context; start += block_size) {
+  for (int64_t start = first - first % block_size; start < context; start += block_size) {
     const int64_t count = std::min(block_size, context - start);
+    const int64_t lo = std::max<int64_t>(first - start, 0);  // the window's edge, 1st block
     const T* block = cache + tables[seq * s.max_blocks + start / block_size] * s.block_stride +
                      s.layer_offset;
     // Blocks lie anywhere in the cache, so the hardware prefetcher loses the thread at every
@@ -313,16 +336,17 @@ void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, 
     const T* next = ahead ? ahead->block : nullptr;
     const int64_t next_h0 = ahead ? ahead->h0 : 0;
     // Three parts per tile: with two, an fp32 block's parts were 64 lines and lost a tenth.
-    const int64_t parts = heads * ((count + kTile - 1) / kTile) * 3;
+    const int64_t parts = heads * ((count - lo + kTile - 1) / kTile) * 3;
     int64_t part = 0;
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t off = i * group;  // the first query head of KV head h0 + i, in the item
-      for (int64_t j0 = 0; j0 < count; j0 += kTile) {
+      for (int64_t j0 = lo; j0 < count; j0 += kTile) {
         const int64_t n = std::min(kTile, count - j0);
         const T* keys = block + j0 * s.token_stride + (h0 + i) * head_dim;
         float* acc = w.acc.data() + off * head_dim;
         if (next) prefetch_part(s, next, next_h0, heads, part++, parts);
         score_tile(s, w.qf.data() + off * head_dim, keys, n, scale, w.part.data(), w.probs.data());
+        if (cap > 0.f) soft_cap_scores(s, w.probs.data(), n, cap);
         if (next) prefetch_part(s, next, next_h0, heads, part++, parts);
         softmax_update(s, w.probs.data(), n, w.m.data() + off, w.l.data() + off, acc);
         if (next) prefetch_part(s, next, next_h0, heads, part++, parts);
@@ -340,7 +364,8 @@ void attend(const Shape& s, int64_t seq, int64_t h0, int64_t heads, const T* q, 
 
 template <typename T>
 void run(const Shape& s, const torch::Tensor& q, const torch::Tensor& kv_cache,
-         const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
+         const torch::Tensor& tables, const torch::Tensor& lens, float scale, int64_t window,
+         float cap, torch::Tensor& out) {
   const T* qp = q.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -356,7 +381,8 @@ void run(const Shape& s, const torch::Tensor& q, const torch::Tensor& kv_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / per_seq, h0 = (item % per_seq) * heads;
       TORCH_CHECK(lp[seq] <= s.max_blocks * s.block_size, "seq_len beyond its block table");
-      for (int64_t start = 0; start < lp[seq]; start += s.block_size)
+      const int64_t first = first_key(lp[seq], window);
+      for (int64_t start = first - first % s.block_size; start < lp[seq]; start += s.block_size)
         stream.order.push_back(
             {cache + tp[seq * s.max_blocks + start / s.block_size] * s.block_stride +
                  s.layer_offset,
@@ -368,7 +394,8 @@ void run(const Shape& s, const torch::Tensor& q, const torch::Tensor& kv_cache,
         prefetch_part(s, stream.order[i].block, stream.order[i].h0, heads, part, 3);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / per_seq, h0 = (item % per_seq) * heads;
-      attend(s, seq, h0, heads, qp, cache, tp, lp[seq], scale, op, scratch, stream);
+      attend(s, seq, h0, heads, qp, cache, tp, lp[seq], first_key(lp[seq], window), scale, cap,
+             op, scratch, stream);
     }
   });
 }
@@ -376,10 +403,13 @@ void run(const Shape& s, const torch::Tensor& q, const torch::Tensor& kv_cache,
 }  // namespace
 
 // q: [S, Hq, D]; returns [S, Hq, D] in q's dtype. block_tables: [S, max_blocks] int64;
-// seq_lens: [S] int64.
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                     int64_t layer, const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
+// seq_lens: [S] int64. sliding_window > 0: each decode sees its last sliding_window keys
+// (0: all); soft_cap > 0: scores become soft_cap * tanh(score / soft_cap) (0: no cap).
+torch::Tensor paged_decode_attention_variant(const torch::Tensor& q,
+                                             const torch::Tensor& kv_cache, int64_t layer,
+                                             const torch::Tensor& block_tables,
+                                             const torch::Tensor& seq_lens, double scale,
+                                             int64_t sliding_window, double soft_cap) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) &&
                   kv_cache.scalar_type() == dtype,
@@ -388,6 +418,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(kv_cache.dim() == 6 && q.dim() == 3, "q [S, Hq, D], kv_cache 6-D block-major");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
               "block_tables and seq_lens must be int64");
+  // Not std::isfinite: fast-math lets GCC fold it to true (Python checks the domain first).
+  TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0.0 && soft_cap <= 3.0e38,
+              "sliding_window (0: none) and soft_cap (0: none) must be >= 0");
   Shape s{};
   s.num_seqs = q.size(0);
   s.num_heads = q.size(1);
@@ -407,13 +440,21 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
   if (dtype == torch::kFloat) {
-    run<float>(s, q, kv_cache, tables, lens, fscale, out);
+    run<float>(s, q, kv_cache, tables, lens, fscale, sliding_window, cap, out);
   } else {
-    run<c10::BFloat16>(s, q, kv_cache, tables, lens, fscale, out);
+    run<c10::BFloat16>(s, q, kv_cache, tables, lens, fscale, sliding_window, cap, out);
   }
   return out;
+}
+
+// Full attention, no cap: the signature kernel_api.h's DecodeAttentionFn names (the decoder
+// stack's layers have neither variant).
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     int64_t layer, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale) {
+  return paged_decode_attention_variant(q, kv_cache, layer, block_tables, seq_lens, scale, 0, 0.0);
 }
 
 // key, value: [T, kv_heads, head_dim], each token's heads contiguous; slot_mapping: [T] int64,
@@ -460,8 +501,11 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, ReleaseGil(),
-        "decode attention over the block-major paged KV cache (CPU, fp32 or bf16)");
+  m.def("paged_decode_attention", &paged_decode_attention_variant, ReleaseGil(),
+        "decode attention over the block-major paged KV cache (CPU, fp32 or bf16)",
+        pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("layer"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("sliding_window") = 0, pybind11::arg("soft_cap") = 0.0);
   m.def("write_kv", &write_kv, ReleaseGil(),
         "new keys and values into their slots of one layer (CPU)");
   namespace api = kvrelay_api;
