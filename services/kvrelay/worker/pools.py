@@ -15,8 +15,8 @@ from kvrelay.common.messages import EngineStats, Role
 from kvrelay.engine.args import EngineArgs
 from kvrelay.transfer.kv_secret import KVSecret
 from kvrelay.worker.actor import EngineWorker
-from kvrelay.worker.priority import unniced_ray_env
 from kvrelay.worker.ray_cluster import join_ray_cluster
+from kvrelay.worker.ray_options import start_local_ray
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ class Pools:
         num_threads: int = 1,
         kv_secret: KVSecret | None = None,
     ) -> Pools:
-        """Start Ray (unless it is up; `address` joins an existing cluster) and the workers,
+        """Start Ray (unless it is up; `address` joins an existing cluster; else a one-node
+        cluster on loopback, ray_options.py) and the workers,
         and wait until every one is healthy. `colocated` starts `num_decode` colocated
         ("both") workers and no prefill pool. `kv_secret`: the KV transfer secret all these
         workers share (default: the environment's, else a new random one for this deployment)."""
@@ -131,10 +132,7 @@ class Pools:
         owns_ray = False
         if not ray.is_initialized():
             if address is None:
-                unniced_ray_env()
-                ray.init(
-                    num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING
-                )
+                start_local_ray(num_cpus=os.cpu_count())
             else:
                 join_ray_cluster(address)
             owns_ray = True
