@@ -87,7 +87,7 @@ def parse_model_ref(model: str) -> Path | HubId:
     if path.exists():
         return path
     name, _, revision = model.partition("@")
-    if _looks_like_path(model) or not _HUB_ID.match(name) or ".." in name or "--" in name:
+    if _looks_like_path(name) or not _HUB_ID.match(name) or ".." in name or "--" in name:
         raise ModelNotFoundError(
             f"model {model!r} not found: pass a local Hugging Face folder (config.json, "
             "*.safetensors, tokenizer files), a Hugging Face id ORG/NAME[@REVISION], or no "
