@@ -291,3 +291,20 @@ def test_a_hub_id_from_the_local_cache_serves_offline(
     finally:
         assert server.stop() == 0, server.log()
     assert "1 prefill + 1 decode worker(s)" in server.log()
+
+
+def test_model_pull_takes_a_cached_id_without_the_hub(tmp_path: Path, tiny_folder: Path) -> None:
+    """What the operator's init containers run: a seeded cache serves even with the Hub
+    unreachable (cache first), and a local folder is refused as nothing to pull."""
+    cache = tmp_path / "hub"
+    snapshot = add_snapshot(cache, REPO, tiny_folder, COMMIT, "main")
+    env = {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    out = _kvrelay(["model", "pull", REPO], env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{REPO}@{COMMIT} ready: {snapshot}\n"
+    folder = _kvrelay(["model", "pull", str(tiny_folder)], env)
+    assert folder.returncode == 2 and "not a Hugging Face id: nothing to pull" in folder.stderr
+    gguf = _kvrelay(["model", "pull", REPO, "--quantization", "q4_1"], env)
+    # The cached snapshot has no GGUF and the Hub cannot complete it: said in one line.
+    assert gguf.returncode == 2 and gguf.stderr.count("\n") == 1
+    assert r"has no *.gguf weights" in gguf.stderr

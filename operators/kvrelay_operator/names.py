@@ -23,6 +23,8 @@ GRPC_PORT = 50051
 RAY_CLIENT_PORT = 10001
 RAY_GCS_PORT = 6379
 CACHE_DIR = "/var/cache/kvrelay"
+# The Hugging Face cache of a `source: hub` model, on the cache volume (HF_HUB_CACHE).
+HUB_CACHE_DIR = f"{CACHE_DIR}/huggingface/hub"
 MODEL_MOUNT = "/models"
 
 KV_SECRET_MOUNT = "/var/run/secrets/kvrelay/kv"

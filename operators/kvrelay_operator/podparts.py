@@ -20,6 +20,7 @@ from kvrelay_operator.env import (
 )
 from kvrelay_operator.names import (
     CACHE_DIR,
+    HUB_CACHE_DIR,
     KV_SECRET_KEY,
     KV_SECRET_MOUNT,
     MODEL_MOUNT,
@@ -42,6 +43,8 @@ def model_arg(spec: ServiceSpec) -> str:
         return f"{MODEL_MOUNT}/{model.image_path}".rstrip("/")
     if model.source == "folder":
         return model.folder
+    if model.source == "hub":
+        return f"{model.hub_id}@{model.hub_revision}"
     return "default"
 
 
@@ -98,16 +101,20 @@ def _field_env(name: str, path: str) -> Obj:
 
 
 def base_env(spec: ServiceSpec, component: str, revision: str) -> list[Obj]:
-    return [
+    env = [
         {"name": CACHE_DIR_ENV, "value": CACHE_DIR},
         {"name": COMPONENT_ENV, "value": component},
         {"name": SERVICE_ENV, "value": spec.name},
         {"name": GENERATION_ENV, "value": revision},
-        # Nothing is fetched from a model hub at run time (air-gapped clusters included).
+        # Nothing is fetched from a model hub at run time (air-gapped clusters included): a
+        # `source: hub` model is pulled by the init container (init_containers) beforehand.
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         # Ray and torch size their thread pools from the node; keep them to the pod's share.
         {"name": "OMP_NUM_THREADS", "value": "1"},
     ]
+    if spec.model.source == "hub":
+        env.append({"name": "HF_HUB_CACHE", "value": HUB_CACHE_DIR})
+    return env
 
 
 def kv_env(spec: ServiceSpec) -> list[Obj]:
@@ -156,23 +163,45 @@ def pod_security() -> Obj:
 
 
 def init_containers(spec: ServiceSpec, resources: Obj) -> list[Obj]:
-    """Fetch the default model into the cache before the engine starts (a no-op once cached,
-    so a cache claim seeded beforehand works without a network). Models on a volume or in
-    the image need nothing."""
-    if spec.model.source != "default":
+    """Fetch the default model, or a `source: hub` model's snapshot, into the cache before
+    the engine starts (a no-op once cached, so a cache claim seeded beforehand works without
+    a network). Models on a volume or in the image need nothing."""
+    if spec.model.source == "default":
+        command = ["kvrelay", "model", "pull-default"]
+        env = [{"name": CACHE_DIR_ENV, "value": CACHE_DIR}]
+    elif spec.model.source == "hub":
+        command = ["kvrelay", "model", "pull", model_arg(spec), *_quantization(spec)]
+        env = [{"name": "HF_HUB_CACHE", "value": HUB_CACHE_DIR}, *_hub_token_env(spec)]
+    else:
         return []
     return [
         {
             "name": "pull-model",
             "image": spec.image,
             "imagePullPolicy": spec.image_pull_policy,
-            "command": ["kvrelay", "model", "pull-default"],
-            "env": [{"name": CACHE_DIR_ENV, "value": CACHE_DIR}],
+            "command": command,
+            "env": env,
             "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
             "resources": resources,
             "securityContext": container_security(),
         }
     ]
+
+
+def _hub_token_env(spec: ServiceSpec) -> list[Obj]:
+    """HF_TOKEN from the service's token Secret, for the pull only (the serving containers
+    never see it: they read the cache offline)."""
+    model = spec.model
+    if not model.hub_token_secret:
+        return []
+    ref = {"name": model.hub_token_secret, "key": model.hub_token_key}
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}}]
+
+
+def _quantization(spec: ServiceSpec) -> list[str]:
+    """The service's --quantization (engineArgs are `--flag=value`, the CRD says), which
+    decides whether the pull fetches the GGUF."""
+    return [arg for arg in spec.engine_args if arg.startswith("--quantization=")][-1:]
 
 
 def place(pod_spec: Obj, placement: Placement, spec: ServiceSpec) -> Obj:

@@ -44,6 +44,8 @@ def revision_inputs(spec: ServiceSpec) -> dict[str, Any]:
             model.folder,
             model.image_ref,
             model.image_path,
+            model.hub_id,
+            model.hub_revision,
         ],
         "engineArgs": list(spec.engine_args),
         "prefillArgs": list(spec.prefill.engine_args),

@@ -18,7 +18,13 @@ from kvrelay_operator.schema_parts import (
     resource_schema,
     string,
 )
-from kvrelay_operator.spec import DNS_1035, MAX_NAME_LENGTH, MODEL_SOURCES
+from kvrelay_operator.spec import (
+    DNS_1035,
+    HUB_ID_PATTERN,
+    HUB_REVISION_PATTERN,
+    MAX_NAME_LENGTH,
+    MODEL_SOURCES,
+)
 
 
 def _autoscaling_rules() -> list[Schema]:
@@ -222,8 +228,36 @@ def _kv_transfer_schema() -> Schema:
     }
 
 
+def _hub_schema() -> Schema:
+    return {
+        "type": "object",
+        "description": "A Hugging Face model: each pod's init container pulls what kvrelay "
+        "loads (config, safetensors or the GGUF a --quantization reads, tokenizer) into the "
+        "cache volume, and kvrelay serves it with HF_HUB_OFFLINE=1. A commit as the revision "
+        "pins every pod to the same files; a branch is resolved by each pod's pull (the router "
+        "passes its commit to the workers, which refuse a different one).",
+        "required": ["id"],
+        "properties": {
+            "id": string("ORG/NAME, e.g. Qwen/Qwen3-0.6B.", pattern=HUB_ID_PATTERN),
+            "revision": string(
+                "Branch, tag or commit.", default="main", pattern=HUB_REVISION_PATTERN
+            ),
+            "tokenSecret": {
+                "type": "object",
+                "description": "A Secret holding a Hugging Face token (HF_TOKEN) for gated "
+                "or private models; only the pull sees it.",
+                "required": ["name"],
+                "properties": {
+                    "name": string("Secret name.", minLength=1),
+                    "key": string("Key of the token in the Secret.", default="token"),
+                },
+            },
+        },
+    }
+
+
 def _model_schema() -> Schema:
-    """Where the model comes from: the default, a claim or a folder."""
+    """Where the model comes from: the default, a claim, an image, a folder or the Hub."""
     return {
         "type": "object",
         "description": "Where the model comes from.",
@@ -232,8 +266,9 @@ def _model_schema() -> Schema:
             "source": string(
                 "default: the embedded SmolLM2-135M-Instruct, fetched into the cache; "
                 "pvc: a Hugging Face folder on a PersistentVolumeClaim; image: one in an OCI "
-                "image mounted as a volume; folder: one already in the kvrelay image. pvc and "
-                "image fetch nothing at start (air-gapped clusters).",
+                "image mounted as a volume; folder: one already in the kvrelay image; hub: a "
+                "Hugging Face id, pulled into the cache by an init container. pvc and image "
+                "fetch nothing at start (air-gapped clusters).",
                 enum=list(MODEL_SOURCES),
                 default="default",
             ),
@@ -270,6 +305,7 @@ def _model_schema() -> Schema:
                     ),
                 },
             },
+            "hub": _hub_schema(),
             "folder": {
                 "type": "object",
                 "required": ["path"],

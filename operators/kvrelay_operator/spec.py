@@ -20,6 +20,12 @@ _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Names feed child names such as `<name>-<revision>-head-svc`, which must stay 63 characters.
 MAX_NAME_LENGTH = 40
+# A Hugging Face model id, ORG/NAME: the Hub's rule, as kvrelay.common.model_ref checks it
+# (this package imports no kvrelay); the CRD checks HUB_ID_PATTERN, the rest (no '--' or
+# '..') is checked here. A revision: a branch, tag or commit, no '@' or whitespace.
+_HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+HUB_ID_PATTERN = rf"^{_HUB_PART}/{_HUB_PART}$"
+HUB_REVISION_PATTERN = r"^[^\s@]{1,255}$"
 
 
 def check_name(name: str) -> str:
@@ -157,7 +163,7 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class ModelSource:
-    source: str = "default"  # default | pvc | image | folder
+    source: str = "default"  # default | pvc | image | folder | hub
     pvc_claim: str = ""
     pvc_path: str = ""
     folder: str = ""
@@ -166,6 +172,12 @@ class ModelSource:
     image_ref: str = ""
     image_path: str = ""
     image_pull_policy: str = "IfNotPresent"
+    # source hub: a Hugging Face id at a revision, pulled into the cache volume by an init
+    # container (the only pod part with the network and the token Secret, if one is named).
+    hub_id: str = ""
+    hub_revision: str = "main"
+    hub_token_secret: str = ""
+    hub_token_key: str = "token"
 
     @staticmethod
     def parse(raw: Mapping[str, Any]) -> ModelSource:
@@ -173,6 +185,8 @@ class ModelSource:
         pvc = raw.get("pvc") or {}
         folder = raw.get("folder") or {}
         image = raw.get("image") or {}
+        hub = raw.get("hub") or {}
+        token = hub.get("tokenSecret") or {}
         model = ModelSource(
             source=source,
             pvc_claim=str(pvc.get("claimName", "")),
@@ -182,6 +196,10 @@ class ModelSource:
             image_ref=str(image.get("reference", "")),
             image_path=str(image.get("path", "")),
             image_pull_policy=str(image.get("pullPolicy", "IfNotPresent")),
+            hub_id=str(hub.get("id", "")),
+            hub_revision=str(hub.get("revision", "main")),
+            hub_token_secret=str(token.get("name", "")),
+            hub_token_key=str(token.get("key", "token")),
         )
         if source not in MODEL_SOURCES:
             raise SpecError(f"model.source {source!r} is not one of {', '.join(MODEL_SOURCES)}")
@@ -191,6 +209,8 @@ class ModelSource:
             raise SpecError("model.source image needs model.image.reference")
         if source == "folder" and not model.folder.startswith("/"):
             raise SpecError("model.source folder needs an absolute model.folder.path")
+        if source == "hub":
+            _check_hub(model)
         return model
 
     @property
@@ -199,7 +219,22 @@ class ModelSource:
         return self.source in ("pvc", "image")
 
 
-MODEL_SOURCES = ("default", "pvc", "image", "folder")
+MODEL_SOURCES = ("default", "pvc", "image", "folder", "hub")
+
+
+def _check_hub(model: ModelSource) -> None:
+    """A SpecError unless `model.hub` names an ORG/NAME id and a revision."""
+    hub_id = model.hub_id
+    if not re.match(HUB_ID_PATTERN, hub_id) or ".." in hub_id or "--" in hub_id:
+        raise SpecError(
+            f"model.hub.id {hub_id!r} must be a Hugging Face id ORG/NAME (letters, digits, "
+            "'-', '_', '.'; e.g. Qwen/Qwen3-0.6B)"
+        )
+    if not re.match(HUB_REVISION_PATTERN, model.hub_revision):
+        raise SpecError(
+            f"model.hub.revision {model.hub_revision!r} must be a branch, tag or commit "
+            "(no '@' or spaces)"
+        )
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from kvrelay.cli_flags import (
     readable_file,
     sampling,
 )
-from kvrelay.engine.args import ENGINE_FLAG_NAMES, EngineArgs
+from kvrelay.engine.args import ENGINE_FLAG_NAMES, QUANTIZATIONS, EngineArgs, model_flag
 
 if TYPE_CHECKING:
     from kvrelay.common.sampling_params import SamplingParams
@@ -147,8 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
         "~/.cache/kvrelay). A no-op when it is already there.",
     )
     pull.add_argument("--force", action="store_true", help="convert again even if cached")
+    _add_model_pull_parser(model_cmds)
     model_cmds.add_parser("path", help="print the default model's folder")
     return parser
+
+
+def _add_model_pull_parser(model_cmds: Any) -> None:
+    pull = model_cmds.add_parser(
+        "pull",
+        help="fetch a Hugging Face model (ORG/NAME[@REVISION]) into the Hugging Face cache",
+        description="Fetch what kvrelay loads of a Hugging Face model (config, safetensors "
+        "weights or, with --quantization, the GGUF, tokenizer and chat template files) into "
+        "the Hugging Face cache (HF_HUB_CACHE, HF_HOME), unless it is there, and print its "
+        "folder. The same resolution as --model; e.g. the operator's init containers run it, "
+        "so that the serving pods start with HF_HUB_OFFLINE=1.",
+    )
+    pull.add_argument("model", type=model_flag, help="ORG/NAME or ORG/NAME@REVISION")
+    pull.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                      help="also fetch the GGUF that this --quantization reads")  # fmt: skip
 
 
 def _add_chat_parser(commands: Any) -> None:
@@ -305,6 +321,15 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 def _cmd_model(ns: argparse.Namespace) -> int:
     from kvrelay.models.default_model import default_model_dir, pull_default_model
 
+    if ns.model_command == "pull":
+        args = EngineArgs(model=ns.model, quantization=ns.quantization)
+        resolved = args.resolve_model()
+        if resolved.hub_id is None:
+            raise ValueError(
+                f"{ns.model} is a local folder, not a Hugging Face id: nothing to pull"
+            )
+        print(f"{resolved.pinned} ready: {resolved.path}")
+        return 0
     if ns.model_command == "path":
         print(default_model_dir())
         return 0

@@ -15,7 +15,8 @@ from pathlib import Path
 
 # The Hub's own rule for a model id: ORG/NAME of letters, digits, '-', '_' and '.', neither
 # part starting or ending with '-' or '.', no '--' or '..' (huggingface_hub's validate_repo_id).
-_PART = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+# The operator checks KVRelayService hub ids by the same rule (kvrelay_operator/spec.py).
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
 _HUB_ID = re.compile(rf"^{_PART}/{_PART}$")
 # What kvrelay loads from a snapshot: the config, the safetensors weights (and their index),
 # tokenizer files, generation defaults and chat templates. Never pickles (*.bin/*.pt/*.pth).
