@@ -25,9 +25,15 @@ class LLM:
     """A model served in-process.
 
     Args:
-        model: a Hugging Face model folder; None for the embedded default model.
+        model: a Hugging Face model folder, or a Hugging Face id ORG/NAME[@REVISION] (from
+            the Hugging Face cache, else downloaded; HF_HUB_OFFLINE=1: the cache only); None
+            for the embedded default model.
         **engine_args: any `EngineArgs` field (block_size, num_blocks, kv_cache_memory,
             max_num_batched_tokens, max_num_seqs, max_model_len, dtype, seed, ...).
+
+    Raises:
+        ValueError: an engine argument out of its range, naming it (before anything loads).
+        FileNotFoundError: a model that is neither a folder nor an id that can be had.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
