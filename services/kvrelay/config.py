@@ -12,7 +12,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The MLP activations kvrelay implements (HF's names).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# What each family's HF config class assumes where config.json leaves a field out.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3ForCausalLM": {"head_dim": 128},
+    "Gemma2ForCausalLM": {
+        "head_dim": 256,
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "Gemma3ForCausalLM": {
+        "head_dim": 256,
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -45,6 +78,16 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation, one of SUPPORTED_ACTIVATIONS
+    # Each layer's sliding window in tokens (a query at p sees keys p - W < j <= p), None for
+    # full attention; empty when no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    # Gemma 3: the RoPE base of the sliding-window layers (unscaled); None: one RoPE for all.
+    local_rope_theta: float | None = None
+    # Gemma: attention scale is query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None  # c * tanh(score / c) on the scaled scores
+    final_logit_softcapping: float | None = None  # the same on the logits
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,6 +100,31 @@ class ModelConfig:
             "num_attention_heads must be a multiple of num_key_value_heads "
             f"(got {self.num_attention_heads} and {self.num_key_value_heads})",
         )
+        _require(
+            self.hidden_act in SUPPORTED_ACTIVATIONS,
+            f"hidden_act {self.hidden_act!r} is not implemented; kvrelay runs "
+            f"{', '.join(SUPPORTED_ACTIVATIONS)}",
+        )
+        _require(
+            len(self.layer_windows) in (0, self.num_hidden_layers),
+            f"layer_windows has {len(self.layer_windows)} entries for "
+            f"{self.num_hidden_layers} layers",
+        )
+        _require(
+            all(w is None or w >= 1 for w in self.layer_windows),
+            f"sliding_window must be >= 1, got {self.layer_windows}",
+        )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"{name} must be > 0 or null, got {value}")
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.architecture in GEMMA_ARCHITECTURES
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -64,7 +132,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from the parsed `config.json` of a Hugging Face checkpoint."""
+        """Build from the parsed `config.json` of a Hugging Face checkpoint.
+
+        Raises:
+            UnsupportedModelError: an architecture kvrelay does not run.
+            ValueError: a field asks for something kvrelay does not implement (named).
+        """
         archs = hf.get("architectures") or [hf.get("model_type", "unknown")]
         arch = str(archs[0])
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -72,38 +145,40 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; kvrelay runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        hf = {**_FAMILY_DEFAULTS.get(arch, {}), **hf}
+        _refuse_unimplemented(hf, arch)
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        layers = int(hf["num_hidden_layers"])
         eos = hf.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ()
         if isinstance(eos, int):
             eos_ids = (eos,)
-        rope_scaling = hf.get("rope_scaling")
-        rope_theta = hf.get("rope_theta")
-        # transformers 5 folds rope settings into `rope_parameters`.
-        params = hf.get("rope_parameters")
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default":
-                rope_scaling = params
+        rope_theta, rope_scaling, local_theta = _rope_settings(hf, arch)
+        gemma = arch in GEMMA_ARCHITECTURES
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama only when `attention_bias` says so.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            attention_bias=_attention_bias(hf, arch),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=str(hf.get("hidden_activation" if gemma else "hidden_act") or "silu"),
+            layer_windows=_layer_windows(hf, arch, layers),
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=_optional_float(hf, "query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=_optional_float(hf, "attn_logit_softcapping"),
+            final_logit_softcapping=_optional_float(hf, "final_logit_softcapping"),
         )
 
     @classmethod
@@ -115,6 +190,131 @@ class ModelConfig:
                 "tokenizer files (run `kvrelay model pull-default` for the default model)"
             )
         return cls.from_hf_config(json.loads(path.read_text()))
+
+
+def _optional_float(hf: dict[str, Any], name: str) -> float | None:
+    value = hf.get(name)
+    return None if value is None else float(value)
+
+
+def _attention_bias(hf: dict[str, Any], arch: str) -> bool:
+    """Qwen2 always has q/k/v bias; Mistral and Phi-3 never (their HF classes have no
+    field); Llama, Qwen3 and Gemma when `attention_bias` says so."""
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return False
+    return bool(hf.get("attention_bias", False))
+
+
+def _refuse_unimplemented(hf: dict[str, Any], arch: str) -> None:
+    """One clear line for each config.json field that asks for what kvrelay does not run."""
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json: mlp_bias=true is not implemented (no MLP biases)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            "config.json: use_bidirectional_attention=true (an embedding model) is not "
+            "implemented; kvrelay runs causal decoders"
+        )
+    if hf.get("attention_chunk_size"):
+        raise ValueError("config.json: attention_chunk_size (chunked attention) is not implemented")
+    if arch == "Gemma3ForCausalLM" and hf.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 keeps the field but never applies it: running it either way
+        # would disagree with someone, so such a config is refused.
+        raise ValueError(
+            "config.json: attn_logit_softcapping is set on a Gemma 3 model, whose reference "
+            "implementation (transformers) ignores it; set it to null"
+        )
+    act_field = "hidden_activation" if arch in GEMMA_ARCHITECTURES else "hidden_act"
+    act = hf.get(act_field) or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"config.json: {act_field}={act!r} is not implemented; kvrelay runs "
+            f"{', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+
+
+def _rope_settings(
+    hf: dict[str, Any], arch: str
+) -> tuple[float, dict[str, Any] | None, float | None]:
+    """`(rope_theta, rope_scaling, local_rope_theta)` from either config.json layout:
+    transformers 4's `rope_theta` / `rope_scaling` (/ Gemma 3's `rope_local_base_freq`), or
+    transformers 5's `rope_parameters` (nested by layer type for Gemma 3)."""
+    scaling = hf.get("rope_scaling")
+    theta = hf.get("rope_theta")
+    local = hf.get("rope_local_base_freq") if arch == "Gemma3ForCausalLM" else None
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and {"full_attention", "sliding_attention"} & set(params):
+        local_params = params.get("sliding_attention") or {}
+        if local_params.get("rope_type", "default") != "default":
+            raise ValueError(
+                "config.json: rope_parameters.sliding_attention.rope_type="
+                f"{local_params['rope_type']!r} is not implemented (local layers run unscaled)"
+            )
+        local = local_params.get("rope_theta", local)
+        params = params.get("full_attention") or {}
+    factors = [d.get("partial_rotary_factor") for d in (hf, params, scaling) if isinstance(d, dict)]
+    if any(f is not None and float(f) != 1.0 for f in factors):
+        raise ValueError(
+            "config.json: partial_rotary_factor != 1 (RoPE on part of each head) is not implemented"
+        )
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if params.get("rope_type", params.get("type", "default")) != "default":
+            scaling = params
+    scaling = dict(scaling) if scaling else None
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("llama3", "yarn", "longrope"):
+        # transformers' rule: a top-level original_max_position_embeddings (Phi-3) wins, else
+        # the scaling's own, else max_position_embeddings.
+        if "original_max_position_embeddings" in hf:
+            scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        scaling.setdefault(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", 2048)
+        )
+    return float(theta if theta is not None else 10000.0), scaling, _float_or_none(local)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _layer_windows(hf: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers assigns them:
+    `layer_types` when config.json lists them, else each family's rule."""
+    window = hf.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window"):
+        window = None  # Qwen's configs carry a window that only use_sliding_window turns on
+    if arch == "LlamaForCausalLM":
+        window = None  # not a Llama field: transformers' Llama never reads it
+    types = hf.get("layer_types") or _default_layer_types(hf, arch, layers, window)
+    if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"config.json: layer_types must list full_attention or sliding_attention for each "
+            f"of the {layers} layers (kvrelay implements no other attention), got {types}"
+        )
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def _default_layer_types(
+    hf: dict[str, Any], arch: str, layers: int, window: int | None
+) -> list[str]:
+    """transformers' per-family default when config.json has no `layer_types`."""
+    if window is None:
+        return ["full_attention"] * layers
+    if arch == "Gemma2ForCausalLM":
+        sliding = [(i + 1) % 2 != 0 for i in range(layers)]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(hf.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(layers)]
+    else:  # Mistral, Phi-3: every layer
+        sliding = [True] * layers
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 @dataclass(frozen=True)

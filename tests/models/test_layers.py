@@ -26,7 +26,7 @@ def test_apply_rope_matches_rotate_half() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 16, generator=gen)  # [T, heads, head_dim]
     positions = torch.tensor([0, 1, 7, 8, 100])
-    freqs = positions[:, None].float() * rope_inv_freq(16, 10000.0, None)[None, :]
+    freqs = positions[:, None].float() * rope_inv_freq(16, 10000.0, None).inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1).unsqueeze(1)  # [T, 1, head_dim]
     rotated = torch.cat((-x[..., 8:], x[..., :8]), -1)
     expected = x * emb.cos() + rotated * emb.sin()
@@ -35,8 +35,8 @@ def test_apply_rope_matches_rotate_half() -> None:
 
 
 def test_unknown_rope_type_says_what_is_supported() -> None:
-    with pytest.raises(ValueError, match="llama3"):
-        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="yarn and longrope"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 200])

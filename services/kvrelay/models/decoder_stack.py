@@ -7,7 +7,9 @@ meanwhile. The stack calls the same kernels from C++, so its results are bit for
 `DecoderLayer.forward`; it takes a step only when every layer's matmuls run on one of kvrelay's
 C++ kernels (the blocked one, or the GGUF Q4_1 / Q8_0 block kernels) and the step is all
 decodes (one query token per sequence, in order). Prefill chunks, mixed steps and matmuls on
-torch's kernels (oneDNN, torch's int4) run the Python layers.
+torch's kernels (oneDNN, torch's int4) run the Python layers, and so do the families whose
+layer is not Llama's (`families.runs_in_decoder_stack`: q/k norms, Gemma's norms and gelu,
+sliding windows, soft caps, local RoPE tables).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvrelay.models.families import runs_in_decoder_stack
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.layers import NativeMatmul
 from kvrelay_kernels.cpu_stack import new_decoder_stack
@@ -66,12 +69,15 @@ class DecoderStack:
 
 
 def build_decoder_stack(model: CausalLM) -> DecoderStack | None:
-    """The stack of `model`'s layers when it can take them: the `cpu` attention backend, every
+    """The stack of `model`'s layers when it can take them: Llama's layer (no family feature
+    the stack lacks), the `cpu` attention backend, every
     matmul on one of kvrelay's C++ kernels (`native_matmul`: the blocked kernel after
     `prepack`, in the model's dtype; the GGUF block kernels), norms in the model's dtype, and
     the C++ extensions built. None otherwise (the Python layers serve)."""
     config, dtype = model.config, model.embed_tokens.weight.dtype
     layers = cast("list[DecoderLayer]", list(model.layers))
+    if not runs_in_decoder_stack(config):
+        return None
     if model.backend.name != "cpu" or not all(_norms_fit(layer, dtype) for layer in layers):
         return None
     matmuls = [[_native(linear, dtype) for linear in _linears(layer)] for layer in layers]

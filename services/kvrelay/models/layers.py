@@ -227,20 +227,49 @@ class RMSNorm(nn.Module):
         return self.forward(residual)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm (HF's `Gemma2RMSNorm` / `Gemma3RMSNorm`): normalized and scaled by
+    `1 + weight` all in fp32, cast back once; the checkpoint stores the offset from one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        residual.add_(delta)
+        return self.forward(residual)
+
+
+def head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm` over each head of `x: [T, heads, head_dim]` (Qwen3's and Gemma 3's q/k norms);
+    returns a new contiguous `[T, heads, head_dim]`."""
+    t, heads, d = x.shape
+    return norm.forward(x.reshape(t * heads, d)).view(t, heads, d)
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` with gate and up fused in one matmul.
+    """Gated feed-forward: `down(act(gate(x)) * up(x))` with gate and up fused in one matmul;
+    `act` is silu (SwiGLU) or, for Gemma, gelu's tanh approximation.
 
     `gate_up_proj.weight` is `[2 * intermediate, hidden]`: HF's gate rows, then up rows.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"hidden_act {activation!r} is not implemented (silu, gelu_pytorch_tanh)"
+            )
+        self.activation = activation
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # [T, 2 * intermediate]
+        if self.activation != "silu":  # the fused ops are silu's; gelu runs in torch ops
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj.forward(F.gelu(gate, approximate="tanh").mul_(up))
         fused = fused_ops_for(gate_up)
         if fused is not None:  # one C++ call on the CPU, bit for bit the torch code below
             return self.down_proj.forward(fused.silu_and_mul(gate_up))

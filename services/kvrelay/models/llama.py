@@ -1,4 +1,5 @@
-"""The Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM) over kvrelay's paged KV cache.
+"""The one decoder of every supported family (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3) over
+kvrelay's paged KV cache; what a family changes is decided in `families.py`.
 
 One forward runs a flattened batch of prefill chunks and decode tokens; attention goes through
 the kernel backend's `write_kv` + `paged_attention`. No weight loading here (see `loader.py`).
@@ -7,22 +8,28 @@ the kernel backend's `write_kv` + `paged_attention`. No weight loading here (see
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 
 from kvrelay.config import ModelConfig
+from kvrelay.models import families
 from kvrelay.models.decoder_stack import DecoderStack, build_decoder_stack
+from kvrelay.models.families import has_o_proj_bias
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay.models.layers import (
     Blocked,
     GatedMLP,
+    GemmaRMSNorm,
     Linear,
     PackedLinear,
     RMSNorm,
     blocked_of,
     can_prepack,
+    head_norm,
     linear,
     run_blocked,
 )
@@ -40,9 +47,9 @@ QUANTIZED_LOGITS_BELOW_ROWS = 8
 ALL_ROWS = sys.maxsize  # int8 activations: their vocab projection wins at every row count
 
 
-def has_o_proj_bias(config: ModelConfig) -> bool:
-    """HF Llama's `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not."""
-    return config.attention_bias and config.architecture == "LlamaForCausalLM"
+def norm_for(config: ModelConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm over `size` features (Gemma's `1 + w` in fp32, else Llama's)."""
+    return (GemmaRMSNorm if config.is_gemma else RMSNorm)(size, config.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -50,6 +57,8 @@ class Attention(nn.Module):
 
     `qkv_proj.weight` is `[(num_heads + 2 * num_kv_heads) * head_dim, hidden]`: HF's q rows,
     then k rows, then v rows (and the same order for the bias, when the model has one).
+    Per family (`families.py`): q/k norms before RoPE, the attention scale, this layer's
+    sliding window and the scores' soft cap.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
@@ -59,12 +68,26 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = families.attention_scale(config)
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
         self.o_proj = Linear(
             self.num_heads * self.head_dim, config.hidden_size, bias=has_o_proj_bias(config)
         )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if families.has_qk_norm(config):
+            self.q_norm = norm_for(config, self.head_dim)
+            self.k_norm = norm_for(config, self.head_dim)
+        self.sliding_window = config.window_of(layer_idx)
+        self.soft_cap = config.attn_logit_softcapping
+        # The variants are passed only where set, so the families without them call the
+        # kernels exactly as before.
+        self.paged_attention: Callable[..., torch.Tensor] = backend.paged_attention
+        if self.sliding_window is not None or self.soft_cap is not None:
+            self.paged_attention = partial(
+                backend.paged_attention, sliding_window=self.sliding_window, soft_cap=self.soft_cap
+            )
 
     def forward(
         self,
@@ -78,7 +101,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # [T, (h + 2 * kvh) * d]
-        gpu = gpu_fused_ops_for(qkv)
+        gpu = gpu_fused_ops_for(qkv) if self.q_norm is None else None  # it rotates raw q/k
         if gpu is not None and kv_cache.device == qkv.device and cos.dtype == qkv.dtype:
             # One launch rotates q and k and writes k and v into their slots (same roundings).
             q = gpu.rope_and_write_kv(
@@ -86,7 +109,7 @@ class Attention(nn.Module):
             )  # [T, h, d]
         else:
             q = self._rope_and_write_kv(qkv, cos, sin, kv_cache, attn)
-        out = self.backend.paged_attention(
+        out = self.paged_attention(
             q,
             kv_cache,
             self.layer_idx,
@@ -113,21 +136,39 @@ class Attention(nn.Module):
         # q and k are rotated together (one set of elementwise ops for both); v is a view.
         qk = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
         v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)  # [T, kvh, d]
-        qk = apply_rope(qk, cos, sin)  # [T, h + kvh, d], contiguous
-        q, k = qk.split((h, kvh), dim=1)  # [T, h, d], [T, kvh, d]
+        if self.q_norm is not None and self.k_norm is not None:  # each head normed, then rotated
+            q = apply_rope(head_norm(self.q_norm, qk[:, :h]), cos, sin)  # [T, h, d]
+            k = apply_rope(head_norm(self.k_norm, qk[:, h:]), cos, sin)  # [T, kvh, d]
+        else:
+            qk = apply_rope(qk, cos, sin)  # [T, h + kvh, d], contiguous
+            q, k = qk.split((h, kvh), dim=1)  # [T, h, d], [T, kvh, d]
         self.backend.write_kv(k, v, kv_cache, self.layer_idx, attn.slot_mapping, plan=attn.plan)
         return q
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then the gated MLP."""
+    """Pre-norm residual block: attention, then the gated MLP.
+
+    Gemma's "sandwich": the attention and MLP outputs are normed again before their residual
+    adds (`post_attention_layernorm`, `post_feedforward_layernorm`), and the MLP's input has
+    its own norm (`pre_feedforward_layernorm`); elsewhere `post_attention_layernorm` is the
+    MLP's input norm.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden = config.hidden_size
+        self.input_layernorm = norm_for(config, hidden)
         self.self_attn = Attention(config, layer_idx, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = norm_for(config, hidden)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
+        # Which of the model's RoPE tables this layer rotates with (Gemma 3's local layers).
+        self.rope_index = int(families.uses_local_rope(config, layer_idx))
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.is_gemma:
+            self.pre_feedforward_layernorm = norm_for(config, hidden)
+            self.post_feedforward_layernorm = norm_for(config, hidden)
 
     def forward(
         self,
@@ -149,11 +190,15 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         normed = norm.forward(h) if pending is None else norm.add_and_norm(h, pending)
         attended = self.self_attn.forward(normed, cos, sin, kv_cache, attn)
+        pre_ff, post_ff = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if pre_ff is not None and post_ff is not None:  # Gemma's sandwich
+            h.add_(self.post_attention_layernorm.forward(attended))
+            return post_ff.forward(self.mlp.forward(pre_ff.forward(h)))
         return self.mlp.forward(self.post_attention_layernorm.add_and_norm(h, attended))
 
 
 class CausalLM(nn.Module):
-    """A Llama / Qwen2 causal LM over a paged KV cache.
+    """A causal LM of any supported family over a paged KV cache.
 
     `forward` returns the final-normed hidden states of every token; the runner picks the rows
     it samples from and calls `compute_logits` on those only (the vocab matmul is the largest
@@ -182,7 +227,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_for(config, config.hidden_size)
+        self.embed_scale = families.embedding_scale(config)
+        self.final_soft_cap = config.final_logit_softcapping
         self.lm_head: Linear | None = None
         # Set by prepack() for tied embeddings: the vocab projection's packed copy, for
         # kvrelay's blocked kernel or else for oneDNN.
@@ -196,12 +243,20 @@ class CausalLM(nn.Module):
         self.decoder_stack: DecoderStack | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
             config.rope_scaling,
-            max_positions or config.max_position_embeddings,
+            positions,
+            config.max_position_embeddings,
         )
+        # Gemma 3's sliding-window layers rotate with their own base, unscaled.
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                config.head_dim, config.local_rope_theta, None, positions
+            )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The block-major cache this model reads and writes (docs/architecture.md section 3)."""
@@ -243,12 +298,19 @@ class CausalLM(nn.Module):
                 "with a larger max_positions"
             )
         h = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor owned by this call
+        if self.embed_scale is not None:
+            # HF rounds the scale to the model's dtype first (in bf16 sqrt(3840) is 62.0).
+            h.mul_(float(torch.tensor(self.embed_scale).to(h.dtype)))
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # shared by every layer
         stack = self.decoder_stack
         if stack is not None and stack.takes(h, kv_cache, attn):
             return self.norm(stack.forward(h, cos, sin, kv_cache, attn))
+        tables: list[tuple[torch.Tensor, ...]] = [(cos, sin)]
+        if self.local_rotary is not None:
+            tables.append(self.local_rotary.cos_sin(positions, h.dtype))
         pending = None  # each layer's MLP output, added to `h` by the next norm
-        for layer in self.layers:
+        for layer in cast("list[DecoderLayer]", self.layers):
+            cos, sin = tables[layer.rope_index]
             pending = layer.forward(h, pending, cos, sin, kv_cache, attn)
         return self.norm(h) if pending is None else self.norm.add_and_norm(h, pending)
 
@@ -282,7 +344,15 @@ class CausalLM(nn.Module):
         self.decoder_stack = build_decoder_stack(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[S, hidden]` -> `[S, vocab]` fp32 logits."""
+        """`[S, hidden]` -> `[S, vocab]` fp32 logits, soft-capped where the family says
+        (Gemma 2's `final_logit_softcapping`: `c * tanh(logits / c)`)."""
+        logits = self._logits(hidden)
+        cap = self.final_soft_cap
+        if cap is not None:
+            logits = logits.div(cap).tanh_().mul_(cap)
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         quantized = self.quantized_logits
         if quantized is not None and hidden.shape[0] < self.quantized_logits_below_rows:
             return cast(torch.Tensor, quantized(hidden.float()))  # fp32 in, fp32 logits

@@ -1,20 +1,28 @@
-"""Load a Hugging Face Llama / Qwen2 checkpoint folder (config.json + safetensors) into `CausalLM`.
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) of any supported family
+into `CausalLM`.
 
-Maps HF weight names to the model's, fusing q/k/v and gate/up on the way. Safetensors only:
-this module never unpickles anything.
+Maps HF weight names to the model's, fusing q/k/v and gate/up on the way (Phi-3 stores them
+fused already). Safetensors only: this module never unpickles anything.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from kvrelay.config import ModelConfig
-from kvrelay.models.llama import CausalLM, has_o_proj_bias
+from kvrelay.models.families import (
+    FUSED_CHECKPOINT_ARCHITECTURES,
+    check_backend,
+    has_o_proj_bias,
+    has_qk_norm,
+)
+from kvrelay.models.llama import CausalLM
 from kvrelay.models.quantized_loading import (
     check_int8_activations,
     install_quantized_linears,
@@ -55,10 +63,9 @@ def load_model(
             engine's max_model_len to keep the table small for long-context checkpoints.
         device: where the weights go; safetensors reads them straight there (no CPU copy of
             the whole model on the way), and the RoPE table follows.
-        quantization: None or "none" for the safetensors weights; "q4_1" to read the
-            folder's GGUF instead, its Q4_1 matmul weights kept 4-bit (see
-            `kvrelay.models.quantized_loading`); "auto" does that when the folder holds a
-            GGUF with Q4_1 weights.
+        quantization: None or "none": the safetensors weights; "q4_1": the folder's GGUF,
+            its Q4_1 matmul weights kept 4-bit (`kvrelay.models.quantized_loading`); "auto":
+            that where the folder holds a GGUF with Q4_1 weights.
         int8_activations: the quantized layers' few-row steps quantize their inputs to int8
             and multiply by integer dot products (faster, not exact; needs `quantization`).
 
@@ -67,15 +74,16 @@ def load_model(
 
     Raises:
         FileNotFoundError: no config.json or no safetensors file in `folder`.
-        kvrelay.config.UnsupportedModelError: the architecture is not Llama or Qwen2.
+        kvrelay.config.UnsupportedModelError: an architecture kvrelay does not run.
         MissingWeightError: a weight the config implies is absent from the checkpoint.
-        ValueError: the checkpoint holds weights this model has no place for.
-        kvrelay.models.quantized_loading.QuantizationError: an unknown quantization, no
-            GGUF with such weights in the folder, or int8 activations without either.
+        ValueError: the checkpoint holds weights this model has no place for, or `backend`
+            lacks an attention variant (sliding window, soft cap) the model needs.
+        kvrelay.models.quantized_loading.QuantizationError: an unknown quantization, no GGUF
+            with such weights (or of this family), or int8 activations without either.
     """
-    folder = Path(folder)
     check_int8_activations(quantization, int8_activations)
     config = ModelConfig.from_pretrained(folder)
+    check_backend(config, backend)  # before reading gigabytes of weights
     hf_weights, gguf, count = _read_weights(folder, quantization, config, torch.device(device))
     state = convert_hf_state_dict(hf_weights, config, dtype, source=str(gguf or folder))
     del hf_weights
@@ -98,10 +106,11 @@ def load_model(
 
 
 def _read_weights(
-    folder: Path, quantization: str | None, config: ModelConfig, device: torch.device
+    folder: str | Path, quantization: str | None, config: ModelConfig, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], Path | None, int]:
     """The checkpoint's HF-named tensors, the GGUF they came from (None for safetensors)
     and the number of files read."""
+    folder = Path(folder)
     quantized = read_quantized_weights(folder, quantization, config, device)
     if quantized is not None:
         return quantized[0], quantized[1], 1
@@ -167,24 +176,7 @@ def convert_hf_state_dict(
 
     state: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight")}
     for i in range(config.num_hidden_layers):
-        hf_prefix, prefix = f"model.layers.{i}.", f"layers.{i}."
-        attn, mlp = hf_prefix + "self_attn.", hf_prefix + "mlp."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"{prefix}{norm}.weight"] = take(f"{hf_prefix}{norm}.weight")
-        state[prefix + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(f"{attn}{p}_proj.weight") for p in "qkv"]
-        )  # [(heads + 2 * kv_heads) * head_dim, hidden]
-        if config.attention_bias:
-            state[prefix + "self_attn.qkv_proj.bias"] = torch.cat(
-                [take(f"{attn}{p}_proj.bias") for p in "qkv"]
-            )
-        state[prefix + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        if has_o_proj_bias(config):
-            state[prefix + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
-        state[prefix + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        )  # [2 * intermediate, hidden]
-        state[prefix + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
+        _convert_layer(take, state, config, f"model.layers.{i}.", f"layers.{i}.")
     state["norm.weight"] = take("model.norm.weight")
     if config.tie_word_embeddings:
         # Some exports save the tied head too; it is the embedding, so drop the copy.
@@ -199,3 +191,41 @@ def convert_hf_state_dict(
             "num_hidden_layers, architectures) matches the weights"
         )
     return state
+
+
+def _layer_norm_names(config: ModelConfig) -> list[str]:
+    """The per-layer norms of the family, HF's names and kvrelay's alike."""
+    names = ["input_layernorm", "post_attention_layernorm"]
+    if config.is_gemma:
+        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if has_qk_norm(config):
+        names += ["self_attn.q_norm", "self_attn.k_norm"]
+    return names
+
+
+def _convert_layer(
+    take: Callable[[str], torch.Tensor],
+    state: dict[str, torch.Tensor],
+    config: ModelConfig,
+    hf_prefix: str,
+    prefix: str,
+) -> None:
+    """One layer's weights into `state`, q/k/v and gate/up fused as kvrelay keeps them."""
+    attn, mlp = hf_prefix + "self_attn.", hf_prefix + "mlp."
+    for norm in _layer_norm_names(config):
+        state[f"{prefix}{norm}.weight"] = take(f"{hf_prefix}{norm}.weight")
+    if config.architecture in FUSED_CHECKPOINT_ARCHITECTURES:  # already q, k, v / gate, up
+        qkv, gate_up = take(attn + "qkv_proj.weight"), take(mlp + "gate_up_proj.weight")
+    else:
+        qkv = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
+        gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+    state[prefix + "self_attn.qkv_proj.weight"] = qkv  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    if config.attention_bias:
+        state[prefix + "self_attn.qkv_proj.bias"] = torch.cat(
+            [take(f"{attn}{p}_proj.bias") for p in "qkv"]
+        )
+    state[prefix + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+    if has_o_proj_bias(config):
+        state[prefix + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
+    state[prefix + "mlp.gate_up_proj.weight"] = gate_up  # [2 * intermediate, hidden]
+    state[prefix + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kvrelay.config import ModelConfig
+from kvrelay.models.families import GGUF_ARCHITECTURES
 from kvrelay.models.gguf_blocks import dequantize
 from kvrelay.models.gguf_convert import hf_tensor_name, read_gguf_weights, read_raw_gguf_tensor
 from kvrelay.models.layers import Linear
@@ -106,8 +107,9 @@ def read_quantized_weights(
     loaded.
 
     Raises:
-        QuantizationError: an unknown value; "q4_1"/"q8_0" on a non-CPU device or for a
-            folder without a GGUF whose matmul weights include that type.
+        QuantizationError: an unknown value; "q4_1"/"q8_0" on a non-CPU device, for a family
+            the GGUF tensors do not carry, or for a folder without a GGUF whose matmul
+            weights include that type.
     """
     if quantization is None or quantization == "none":
         return None
@@ -122,6 +124,14 @@ def read_quantized_weights(
         raise QuantizationError(
             f"quantization {quantization!r} runs on the CPU only (torch's int4 CPU kernel); "
             f"drop --quantization on {device.type}"
+        )
+    if config.architecture not in GGUF_ARCHITECTURES:
+        if auto:
+            return None  # the folder's safetensors
+        raise QuantizationError(
+            f"quantization {quantization!r} reads llama.cpp's llama tensors, which carry "
+            f"{', '.join(GGUF_ARCHITECTURES)} only, not {config.architecture}; drop "
+            "--quantization for this folder (its safetensors load as they are)"
         )
     gguf = find_gguf(folder)
     found = matmul_types(gguf) if gguf is not None else Counter[str]()
