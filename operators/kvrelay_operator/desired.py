@@ -25,6 +25,7 @@ from kvrelay_operator.names import (
     selector_labels,
 )
 from kvrelay_operator.podparts import Obj
+from kvrelay_operator.ray_access import desired_ray_network_policy
 from kvrelay_operator.raycluster import desired_raycluster
 from kvrelay_operator.revision import revision_hash
 from kvrelay_operator.router_deployment import desired_router_deployment, desired_router_service
@@ -152,6 +153,7 @@ def desired_objects(
     objects = [desired_pool(spec, pool, sizes[pool]) for pool in POOLS]
     groups = {**sizes, **(group_sizes or {})}
     objects.append(desired_raycluster(spec, revision, groups, workers_to_delete))
+    objects.append(desired_ray_network_policy(spec))
     objects.append(desired_router_deployment(spec, revision))
     objects.append(desired_router_service(spec))
     objects.extend(desired_pdbs(spec))

@@ -24,6 +24,7 @@ PLURALS = {
     "Pod": "pods",
     "Secret": "secrets",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors",
 }
 

@@ -23,6 +23,7 @@ from kvrelay_operator.names import (
     raycluster_name,
 )
 from kvrelay_operator.podparts import Obj
+from kvrelay_operator.ray_access import RAY_HEAD_COMPONENT, ray_auth_env
 from kvrelay_operator.spec import PoolSpec, ServiceSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -46,7 +47,8 @@ def _ray_container(
         "name": name,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "env": env,
+        # Every Ray process asks callers for the service's token (ray_access.py).
+        "env": env + ray_auth_env(spec),
         "volumeMounts": podparts.volume_mounts(spec, kv=kv),
         "securityContext": podparts.container_security(ipc_lock=kv and spec.kv.ipc_lock),
     }
@@ -61,8 +63,8 @@ def _template_labels(spec: ServiceSpec, component: str, revision: str) -> Obj:
 
 def _head_group(spec: ServiceSpec, revision: str) -> Obj:
     resources = podparts.resources(spec.ray_head)
-    env = podparts.base_env(spec, "ray-head", revision)
-    container = _ray_container(spec, "ray-head", resources, env)
+    env = podparts.base_env(spec, RAY_HEAD_COMPONENT, revision)
+    container = _ray_container(spec, RAY_HEAD_COMPONENT, resources, env)
     container["ports"] = [
         {"name": "gcs", "containerPort": RAY_GCS_PORT, "protocol": "TCP"},
         {"name": "client", "containerPort": RAY_CLIENT_PORT, "protocol": "TCP"},
@@ -84,7 +86,7 @@ def _head_group(spec: ServiceSpec, revision: str) -> Obj:
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
         "serviceType": "ClusterIP",
         "template": {
-            "metadata": {"labels": _template_labels(spec, "ray-head", revision)},
+            "metadata": {"labels": _template_labels(spec, RAY_HEAD_COMPONENT, revision)},
             "spec": pod_spec,
         },
     }

@@ -33,6 +33,7 @@ from kvrelay_operator.names import (
     raycluster_name,
     router_name,
 )
+from kvrelay_operator.ray_access import ensure_ray_auth_secret
 from kvrelay_operator.revision import clusters_to_retire, revision_hash
 from kvrelay_operator.router_admin import RouterAdmin, admin_url
 from kvrelay_operator.spec import ServiceSpec, parse_service
@@ -209,6 +210,7 @@ def _apply_children(
     """Apply every child; returns each pool's wanted size and its step."""
     kube = ctx.kube
     _ensure_kv_secret(kube, spec)
+    ensure_ray_auth_secret(kube, spec)
     observed = observed_pool_replicas(kube, spec)
     wanted = {
         pool: spec.pool(pool).replicas if size is None else size for pool, size in observed.items()

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvrelay_operator.names import REVISION_LABEL
+from kvrelay_operator.ray_access import RAY_AUTH_MODE
 from kvrelay_operator.spec import ServiceSpec
 
 REVISION_LENGTH = 12
@@ -53,6 +54,10 @@ def revision_inputs(spec: ServiceSpec) -> dict[str, Any]:
         "kvBackend": spec.kv.backend,
         "kvrelay": spec.kvrelay_version,
         "ray": spec.ray_version,
+        # A Ray cluster cannot mix nodes with and without token authentication (each refuses
+        # or omits the other's token): turning it on (ray_access.py) is a new revision, so
+        # running services move to a new cluster blue/green instead of breaking in place.
+        "rayAuth": RAY_AUTH_MODE,
     }
 
 

@@ -19,6 +19,7 @@ from kvrelay_operator.names import (
     selector_labels,
 )
 from kvrelay_operator.podparts import Obj
+from kvrelay_operator.ray_access import ray_auth_env
 from kvrelay_operator.spec import ServiceSpec
 
 
@@ -50,8 +51,9 @@ def router_command(spec: ServiceSpec, revision: str) -> list[str]:
 
 
 def _router_env(spec: ServiceSpec, revision: str) -> list[Obj]:
-    # The KV secret: the workers this router starts get it from the router.
-    env = podparts.base_env(spec, "router", revision) + podparts.kv_env(spec)
+    # The KV secret: the workers this router starts get it from the router. The Ray token:
+    # its Ray client must show it to the head (ray_access.py).
+    env = podparts.base_env(spec, "router", revision) + podparts.kv_env(spec) + ray_auth_env(spec)
     if spec.router.api_key_secret:
         env.append(
             {

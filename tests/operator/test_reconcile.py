@@ -68,6 +68,7 @@ def test_first_reconcile_creates_children_with_server_side_apply(
         "deployments",
         "services",
         "poddisruptionbudgets",
+        "networkpolicies",
     }
     for r in applied:
         assert r.method == "PATCH"

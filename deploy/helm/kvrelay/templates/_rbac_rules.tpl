@@ -36,6 +36,10 @@ stop managing and the RayClusters of retired worker generations.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
+# Each service's NetworkPolicy: only its own pods reach its Ray pods.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
@@ -43,8 +47,8 @@ stop managing and the RayClusters of retired worker generations.
   resources: [kopfpeerings]
   verbs: [get, list, watch, patch]
 {{- if .Values.rbac.secrets }}
-# get: a router's API key (the drain API needs it); create: a service's KV Secret. No list
-# or watch: the operator reads only the Secrets services name.
+# get: a router's API key (the drain API needs it); create: a service's KV Secret and its
+# Ray token Secret. No list or watch: the operator reads only the Secrets it names.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create]
