@@ -308,3 +308,34 @@ def test_model_pull_takes_a_cached_id_without_the_hub(tmp_path: Path, tiny_folde
     # The cached snapshot has no GGUF and the Hub cannot complete it: said in one line.
     assert gguf.returncode == 2 and gguf.stderr.count("\n") == 1
     assert r"has no *.gguf weights" in gguf.stderr
+
+
+PROBE = """
+import sys
+from kvrelay.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+ray = sys.modules.get("ray")  # imported by the router's modules, but not started
+print(code, "torch" in sys.modules, ray is not None and ray.is_initialized())
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["serve"], ["router", "--ray-address", "auto"], ["worker", "--role", "decode"],
+     ["generate", "hi"]],
+    ids=lambda command: command[0],
+)  # fmt: skip
+def test_an_id_not_in_the_cache_stops_every_command_before_ray_or_torch(
+    command: list[str], tmp_path: Path
+) -> None:
+    env = {"HF_HUB_CACHE": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *command, "--model", "kvrelay-test/absent"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )  # fmt: skip
+    # Exit 2, no torch imported (no model load began), no Ray started.
+    assert out.stdout.strip() == "2 False False", out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and "not in the Hugging Face cache" in out.stderr

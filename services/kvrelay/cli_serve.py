@@ -340,13 +340,13 @@ def _kv_secret(ns: argparse.Namespace) -> Any:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
+    # Fail fast (and fetch the default model, or a Hub id's snapshot) before Ray or torch.
+    engine_args = _engine_args(ns).with_resolved_model()
     from kvrelay.api.platform import ready_message, run_event_loop, run_router
     from kvrelay.router.workers import WorkerRegistry
     from kvrelay.worker.pools import Pools
 
-    server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
-    # Fail fast (and fetch the default model, or a Hub id's snapshot) before Ray.
-    engine_args = _engine_args(ns).with_resolved_model()
     num_prefill = 1 if ns.num_prefill is None else ns.num_prefill
     num_workers = ns.num_decode if ns.colocated else num_prefill + ns.num_decode
     threads = ns.worker_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
@@ -392,12 +392,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_router(ns: argparse.Namespace) -> int:
+    server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
+    engine_args = _engine_args(ns).with_resolved_model()  # before Ray, as for serve
     from kvrelay.api.platform import ready_message, run_event_loop, run_router
     from kvrelay.router.discovery import NAMESPACE, WorkerManager, discover_workers
     from kvrelay.router.workers import WorkerRegistry
 
-    server_config = _server_config(ns)  # a bad TLS flag fails now, not after Ray is up
-    engine_args = _engine_args(ns).with_resolved_model()  # before Ray, as for serve
     join_ray_cluster(ns.ray_address, NAMESPACE, ns.ray_join_timeout)
     background = []
     if ns.manage_workers:
@@ -423,12 +423,12 @@ def cmd_router(ns: argparse.Namespace) -> int:
 
 
 def cmd_worker(ns: argparse.Namespace) -> int:
+    engine_args = _engine_args(ns).with_resolved_model()  # a Hub id fetched before Ray
     import ray
 
     from kvrelay.router.discovery import NAMESPACE, worker_name
     from kvrelay.worker.pools import spawn_worker
 
-    engine_args = _engine_args(ns).with_resolved_model()  # a Hub id fetched before Ray
     join_ray_cluster(ns.ray_address, NAMESPACE, ns.ray_join_timeout)
     name = worker_name(ns.role)
     actor = spawn_worker(
