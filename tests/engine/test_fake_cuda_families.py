@@ -1,0 +1,87 @@
+"""The new families' CUDA code paths on a CPU-only machine (tests/fake_cuda/family_scenarios.py,
+run once in a process of its own): Qwen3's q/k norms on the `cuda` backend with graphs and
+eagerly, never through the fused rope+KV-write launch; Gemma 3's windows on the auto backend
+(run or refused by its capability) and on the `torch` backend on the device. Every step runs
+under issue 14's rules (no device read but the sampled ids, no blocking copy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fake_cuda.scenarios import SAMPLED
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS = {"short", "penalised", "long", "pair"}
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cuda.is_built(), reason="fake CUDA needs a CPU-only torch (GPU tests cover it)"
+)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("fake-cuda-families") / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.fake_cuda.family_scenarios", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    loaded: dict[str, Any] = json.loads(out.read_text())
+    return loaded
+
+
+def finished_run(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """A scenario's run, after checking it kept the rules and finished every request whole."""
+    part = report[name]
+    assert "error" not in part, part["error"]
+    assert part["violations"] == [], part["violations"]
+    result: dict[str, Any] = part["result"]
+    assert result["aborted"] == [] and result["pool_whole"]
+    assert result["finished"] == {rid: [SAMPLED] * 6 for rid in REQUESTS}
+    return result
+
+
+def kernels_run(result: dict[str, Any]) -> set[str]:
+    return {name for step in result["steps"] for name, _ in step}
+
+
+@pytest.mark.parametrize("name", ["qwen3_graphs", "qwen3_eager"])
+def test_qwen3_norms_q_and_k_before_rope_on_the_cuda_backend(
+    report: dict[str, Any], name: str
+) -> None:
+    result = finished_run(report, name)
+    assert result["backend"] == "cuda" and result["graphs"] is (name == "qwen3_graphs")
+    launched = kernels_run(result)
+    # The fused launch rotates q/k as they leave qkv_proj, before any norm: it must not run.
+    assert "rope_and_write_kv" not in launched
+    # Rotated after the norms (rms_norm launches on the heads), written by the backend, and
+    # attended by the decode kernel beside Triton's prefill chunks.
+    assert {"rms_norm", "write_kv", "decode", "triton"} <= launched
+
+
+def test_gemma3_on_the_auto_cuda_backend_runs_or_is_refused_by_capability(
+    report: dict[str, Any],
+) -> None:
+    part = report["gemma3_auto"]
+    if "result" in part and not part["result"]["claims_window"]:
+        assert "sliding-window" in part["result"]["refused"]
+        assert "'torch'" in part["result"]["refused"]  # what to use instead
+        return
+    result = finished_run(report, "gemma3_auto")
+    assert result["backend"] == "cuda" and "refused" not in result
+
+
+def test_gemma3_runs_on_the_device_through_the_torch_backend(report: dict[str, Any]) -> None:
+    result = finished_run(report, "gemma3_torch")
+    assert result["backend"] == "torch" and not result["graphs"]  # graphs need 'cuda'
