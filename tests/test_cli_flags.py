@@ -307,3 +307,22 @@ def test_the_command_line_tool_exits_2_without_a_traceback() -> None:
         "kvrelay serve: error: argument --max-num-seqs: must be >= 1, got -1 "
         "(see kvrelay serve --help)\n"
     )
+
+
+def test_a_max_model_len_beyond_the_model_names_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Known once the model's config.json is read: still one line naming the flag, exit 2,
+    before the model loads (the folder has no weights to load)."""
+    import json
+
+    from tests.hf_checkpoints import BASE as TINY_CONFIG
+
+    config = {**TINY_CONFIG, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = main(["generate", "hi", "--model", str(tmp_path), "--max-model-len", "999"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "kvrelay: error: argument --max-model-len: 999 is longer than the model's "
+        f"{TINY_CONFIG['max_position_embeddings']} positions\n"
+    )

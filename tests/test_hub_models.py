@@ -258,7 +258,10 @@ def test_a_too_long_max_model_len_for_a_hub_model_is_one_line(
 ) -> None:
     out = _kvrelay(["serve", "--model", REPO, "--max-model-len", "99999999"], smollm_hub_cache)
     assert out.returncode == 2
-    assert out.stderr.startswith("kvrelay: error: max_model_len=99999999 is longer than")
+    assert out.stderr == (
+        "kvrelay: error: argument --max-model-len: 99999999 is longer than the model's 8192 "
+        "positions\n"
+    )
     assert out.stderr.count("\n") == 1
 
 

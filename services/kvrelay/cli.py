@@ -15,6 +15,7 @@ from kvrelay.cli_flags import (
     flag_error,
     http_url,
     log_level,
+    naming_the_flag,
     non_empty,
     readable_file,
     sampling,
@@ -362,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[ns.command](ns)
     except (ValueError, FileNotFoundError, TypeError) as exc:
-        print(f"kvrelay: error: {exc}", file=sys.stderr)
+        # E.g. --max-model-len beyond the model's positions, known once the model is found.
+        print(f"kvrelay: error: {naming_the_flag(str(exc), ENGINE_FLAG_NAMES)}", file=sys.stderr)
         return 2
 
 

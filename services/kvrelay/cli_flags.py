@@ -114,11 +114,15 @@ def sampling(field: str, convert: Callable[[str], Any]) -> Any:
 def flag_error(
     parser: argparse.ArgumentParser, exc: ValueError, flags: Mapping[str, str]
 ) -> NoReturn:
-    """Exit as argparse does (code 2, one line) for a rule between values: a message that
-    starts with a field's name in `flags` (field -> flag) names the flag instead."""
-    message = str(exc)
+    """Exit as argparse does (code 2, one line) for a rule between values, naming the flag
+    (`naming_the_flag`)."""
+    parser.error(naming_the_flag(str(exc), flags))
+
+
+def naming_the_flag(message: str, flags: Mapping[str, str]) -> str:
+    """`message` about a field (it starts `field ...` or `field=...`) as argparse says it of
+    the flag: `argument --flag: ...`; other messages as they are."""
     for field, flag in flags.items():
-        if message.startswith(f"{field} "):
-            message = f"argument {flag}: {message.removeprefix(field + ' ')}"
-            break
-    parser.error(message)
+        if message.startswith((f"{field} ", f"{field}=")):
+            return f"argument {flag}: {message.removeprefix(field).lstrip(' =')}"
+    return message
