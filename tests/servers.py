@@ -115,10 +115,16 @@ RAY_NO_AUTH_ENV = {
 
 
 def start_ray_head(
-    port: int, temp_dir: str, num_cpus: int, env: dict[str, str], extra: tuple[str, ...] = ()
+    port: int,
+    temp_dir: str,
+    num_cpus: int,
+    env: dict[str, str],
+    extra: tuple[str, ...] = (),
+    client_port: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """`ray start --head --block` on `port` in its own session (kill its process group to
-    stop GCS, raylet and workers together); `temp_dir` must be short (Ray's socket paths)."""
+    stop GCS, raylet and workers together); `temp_dir` must be short (Ray's socket paths).
+    `client_port`: the Ray client server's (ray://), default a free one."""
     ray = Path(sys.executable).parent / "ray"
     return subprocess.Popen(
         [
@@ -131,7 +137,7 @@ def start_ray_head(
             *extra,
             "--include-dashboard=false",
             f"--temp-dir={temp_dir}",
-            f"--ray-client-server-port={free_port()}",
+            f"--ray-client-server-port={client_port or free_port()}",
             f"--dashboard-agent-listen-port={free_port()}",
         ],
         stdout=subprocess.DEVNULL,

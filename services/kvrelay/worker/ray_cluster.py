@@ -7,6 +7,11 @@ Waiting here, with a line saying what it waits for, joins as soon as the head is
 
 `ray.init` itself waits minutes, silently, for a GCS port that nothing listens on; a TCP
 connect to the address first turns that into a retry here, bounded by the timeout.
+
+A cluster with token authentication (RAY_AUTH_MODE=token; the operator's always has it)
+refuses a process without its token, which `ray.init` reports as a timeout ("Failed to connect",
+"ray client connection timeout") after the whole wait. One call with the token this process
+would send tells that apart at once, and the error names the token instead of the address.
 """
 
 from __future__ import annotations
@@ -25,12 +30,17 @@ class RayClusterUnavailable(RuntimeError):
     """The Ray cluster at an address could not be joined in time."""
 
 
+class RayTokenRefused(RayClusterUnavailable):
+    """The Ray cluster at an address refused this process's token: waiting will not help."""
+
+
 def join_ray_cluster(
     address: str, namespace: str | None = None, timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
 ) -> None:
     """`ray.init(address=...)`, retried every few seconds until `timeout_s` has passed.
 
     Raises:
+        RayTokenRefused: the cluster refused this process's Ray token (at once, no retry).
         RayClusterUnavailable: no attempt succeeded in `timeout_s` (the last error is chained).
     """
     import ray
@@ -41,10 +51,14 @@ def join_ray_cluster(
         attempt += 1
         try:
             _check_listening(address)
+            if token_refused(address):
+                raise RayTokenRefused(_TOKEN_REFUSED.format(address=address))
             ray.init(address=address, namespace=namespace)
             if attempt > 1:
                 logger.warning("joined the Ray cluster at %s (attempt %d)", address, attempt)
             return
+        except RayTokenRefused:
+            raise
         except (ConnectionError, RuntimeError) as error:
             ray.shutdown()  # a half-made connection would make the next init a no-op
             if time.monotonic() + _RETRY_S > deadline:
@@ -56,6 +70,56 @@ def join_ray_cluster(
             if attempt == 1:
                 logger.warning("waiting for the Ray cluster at %s: %s", address, error)
             time.sleep(_RETRY_S)
+
+
+_TOKEN_REFUSED = (
+    "the Ray cluster at {address!r} refused this process's Ray token (Ray's token "
+    "authentication is on there). Give this process the cluster's token: RAY_AUTH_MODE=token "
+    "and RAY_AUTH_TOKEN (on Kubernetes the operator sets it from the Secret "
+    "<service>-ray-auth), RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token."
+)
+
+
+def token_refused(address: str) -> bool:
+    """Whether the Ray cluster at `address` answers a call that carries this process's
+    token (none unless RAY_AUTH_MODE=token) with UNAUTHENTICATED: the GCS for `host:port`,
+    the Ray client server for `ray://host:port`. Any other outcome, a refused connection or a
+    success, is False (for `ray.init` to meet and report); forms such as `auto` are False."""
+    import grpc
+    from ray._private.authentication.grpc_authentication_client_interceptor import (
+        _get_authentication_metadata_tuple,
+    )
+    from ray.core.generated import (
+        gcs_service_pb2,
+        gcs_service_pb2_grpc,
+        ray_client_pb2,
+        ray_client_pb2_grpc,
+    )
+
+    client = address.startswith("ray://")
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    metadata = _get_authentication_metadata_tuple()  # what Ray itself would send
+    with grpc.insecure_channel(target) as channel:
+        try:
+            if client:
+                ping = ray_client_pb2.ClusterInfoType.PING  # type: ignore[attr-defined]
+                ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(
+                    ray_client_pb2.ClusterInfoRequest(type=ping),  # type: ignore[attr-defined]
+                    metadata=metadata,
+                    timeout=10,
+                )
+            else:
+                gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                    gcs_service_pb2.GetClusterIdRequest(),  # type: ignore[attr-defined]
+                    metadata=metadata,
+                    timeout=10,
+                )
+        except grpc.RpcError as error:
+            return bool(error.code() == grpc.StatusCode.UNAUTHENTICATED)
+    return False
 
 
 def _check_listening(address: str) -> None:
