@@ -81,3 +81,49 @@ def test_rms_norm_matches_hf(dtype: torch.dtype) -> None:
         assert (got == expected).float().mean() > 0.99
     else:
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_matches_hf(dtype: torch.dtype) -> None:
+    """Gemma's `x * (1 + w)` all in fp32, cast back once, as HF's Gemma3RMSNorm (and its
+    residual-adding form likewise)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from kvrelay.models.layers import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    ours, theirs = GemmaRMSNorm(96, 1e-6), Gemma3RMSNorm(96, eps=1e-6)
+    weight = torch.randn(96) * 0.5
+    ours.weight.data.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    x = (torch.randn(5, 96) * 3).to(dtype)
+    # bf16: one rounding step at most (the fp32 sum's order may differ).
+    rtol, atol = (2**-7, 0.0) if dtype == torch.bfloat16 else (1e-6, 1e-6)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=rtol, atol=atol)
+    residual, delta = x.clone(), torch.ones_like(x)
+    added = ours.add_and_norm(residual, delta)
+    torch.testing.assert_close(added, theirs(x + 1), rtol=rtol, atol=atol)
+    assert torch.equal(residual, x + 1)  # the residual stream updated in place
+
+
+def test_gemma_embedding_scale_rounds_as_hf() -> None:
+    """HF multiplies by the scale rounded to the weights' dtype: the same product in bf16."""
+    from kvrelay.models.llama import rounded_to
+
+    torch.manual_seed(0)
+    embeds = torch.randn(4, 3840).to(torch.bfloat16)
+    hf = embeds * torch.tensor(3840**0.5).to(torch.bfloat16)
+    assert rounded_to(3840**0.5, torch.bfloat16) == 62.0
+    assert torch.equal(embeds.clone().mul_(rounded_to(3840**0.5, torch.bfloat16)), hf)
+    assert not torch.equal(embeds.clone().mul_(3840**0.5), hf)  # unrounded: other products
+
+
+def test_head_norm_normalizes_each_head() -> None:
+    from kvrelay.models.layers import head_norm
+
+    norm = RMSNorm(8, 1e-6)
+    norm.weight.data.copy_(torch.arange(8.0))
+    x = torch.randn(3, 6, 8)[:, 1:5]  # a non-contiguous view of 4 heads, as q is in qkv
+    expected = F.rms_norm(x, (8,), norm.weight, 1e-6)
+    torch.testing.assert_close(head_norm(norm, x), expected)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from typing import cast
 
 import torch
@@ -45,6 +45,13 @@ from kvrelay_kernels.gpu_fused import gpu_fused_ops_for
 # weight, which wins from 16 rows on (the block loop's multiply-adds, not its bytes, bound it).
 QUANTIZED_LOGITS_BELOW_ROWS = 8
 ALL_ROWS = sys.maxsize  # int8 activations: their vocab projection wins at every row count
+
+
+@lru_cache
+def rounded_to(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as HF rounds Gemma's embedding scale before multiplying
+    (in bf16 sqrt(3840) is 62.0); multiplying by it then rounds as HF's product does."""
+    return float(torch.tensor(value, device="cpu").to(dtype))
 
 
 def norm_for(config: ModelConfig, size: int) -> RMSNorm:
@@ -299,8 +306,7 @@ class CausalLM(nn.Module):
             )
         h = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor owned by this call
         if self.embed_scale is not None:
-            # HF rounds the scale to the model's dtype first (in bf16 sqrt(3840) is 62.0).
-            h.mul_(float(torch.tensor(self.embed_scale).to(h.dtype)))
+            h.mul_(rounded_to(self.embed_scale, h.dtype))
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # shared by every layer
         stack = self.decoder_stack
         if stack is not None and stack.takes(h, kv_cache, attn):
@@ -344,8 +350,8 @@ class CausalLM(nn.Module):
         self.decoder_stack = build_decoder_stack(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[S, hidden]` -> `[S, vocab]` fp32 logits, soft-capped where the family says
-        (Gemma 2's `final_logit_softcapping`: `c * tanh(logits / c)`)."""
+        """`[S, hidden]` -> `[S, vocab]` fp32 logits, soft-capped where the config says
+        (Gemma's `final_logit_softcapping`: `c * tanh(logits / c)`)."""
         logits = self._logits(hidden)
         cap = self.final_soft_cap
         if cap is not None:
