@@ -176,9 +176,9 @@ class ModelConfig:
             hidden_act=str(hf.get("hidden_activation" if gemma else "hidden_act") or "silu"),
             layer_windows=_layer_windows(hf, arch, layers),
             local_rope_theta=local_theta,
-            query_pre_attn_scalar=_optional_float(hf, "query_pre_attn_scalar") if gemma else None,
-            attn_logit_softcapping=_optional_float(hf, "attn_logit_softcapping"),
-            final_logit_softcapping=_optional_float(hf, "final_logit_softcapping"),
+            query_pre_attn_scalar=_gemma_float(hf, arch, "query_pre_attn_scalar"),
+            attn_logit_softcapping=_gemma_float(hf, arch, "attn_logit_softcapping"),
+            final_logit_softcapping=_gemma_float(hf, arch, "final_logit_softcapping"),
         )
 
     @classmethod
@@ -190,11 +190,6 @@ class ModelConfig:
                 "tokenizer files (run `kvrelay model pull-default` for the default model)"
             )
         return cls.from_hf_config(json.loads(path.read_text()))
-
-
-def _optional_float(hf: dict[str, Any], name: str) -> float | None:
-    value = hf.get(name)
-    return None if value is None else float(value)
 
 
 def _attention_bias(hf: dict[str, Any], arch: str) -> bool:
@@ -276,6 +271,11 @@ def _rope_settings(
 
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _gemma_float(hf: dict[str, Any], arch: str, name: str) -> float | None:
+    """A Gemma-only field; None for the other families, whose HF classes never read it."""
+    return _float_or_none(hf.get(name)) if arch in GEMMA_ARCHITECTURES else None
 
 
 def _layer_windows(hf: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
