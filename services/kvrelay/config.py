@@ -257,8 +257,14 @@ def _rope_settings(
         theta = params.get("rope_theta", theta)
         if params.get("rope_type", params.get("type", "default")) != "default":
             scaling = params
-    scaling = dict(scaling) if scaling else None
-    if scaling and scaling.get("rope_type", scaling.get("type")) in ("llama3", "yarn", "longrope"):
+    if not scaling:
+        return float(theta if theta is not None else 10000.0), None, _float_or_none(local)
+    scaling = dict(scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's older names for it, as transformers reads them
+    scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn", "longrope"):
         # transformers' rule: a top-level original_max_position_embeddings (Phi-3) wins, else
         # the scaling's own, else max_position_embeddings.
         if "original_max_position_embeddings" in hf:

@@ -139,16 +139,17 @@ def test_qwen_window_needs_use_sliding_window() -> None:
     assert ModelConfig.from_hf_config(windowed).layer_windows == (None, 64)
 
 
-def test_phi3_top_level_original_length_wins() -> None:
-    """transformers' rule: Phi-3's top-level original_max_position_embeddings overrides the
-    one inside rope_scaling."""
+@pytest.mark.parametrize("name", ["longrope", "su", "yarn"])
+def test_phi3_top_level_original_length_wins(name: str) -> None:
+    """transformers' rules: Phi-3's top-level original_max_position_embeddings overrides the
+    one inside rope_scaling; its older type names "su" and "yarn" mean longrope."""
     config = ModelConfig.from_hf_config(
         {
             **SHAPE,
             "architectures": ["Phi3ForCausalLM"],
             "original_max_position_embeddings": 512,
             "rope_scaling": {
-                "type": "longrope",
+                "type": name,
                 "short_factor": [1.0] * 16,
                 "long_factor": [2.0] * 16,
                 "original_max_position_embeddings": 99,
@@ -157,3 +158,13 @@ def test_phi3_top_level_original_length_wins() -> None:
     )
     assert config.rope_scaling is not None
     assert config.rope_scaling["original_max_position_embeddings"] == 512
+    assert config.rope_scaling["rope_type"] == "longrope"
+    hf = transformers.Phi3Config(
+        **SHAPE,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+        original_max_position_embeddings=512,
+        rope_scaling={"type": name, "short_factor": [1.0] * 16, "long_factor": [2.0] * 16},
+    )
+    assert hf.rope_parameters["rope_type"] == "longrope"
