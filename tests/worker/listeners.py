@@ -3,6 +3,7 @@ venv): which addresses a process and its descendants accept connections on."""
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import itertools
 import os
@@ -126,3 +127,34 @@ def host_addresses() -> list[str]:
             if not is_loopback(host) and host not in found:
                 found.append(host)
     return found
+
+
+def http_status(host: str, port: int) -> int | None:
+    """The status of a plain `GET /` with no credentials, None when no HTTP answer comes."""
+    connection = http.client.HTTPConnection(host, port, timeout=3)
+    try:
+        connection.request("GET", "/")
+        return connection.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+
+
+def off_loopback(listeners: list[Listener]) -> list[Listener]:
+    return [listener for listener in listeners if not is_loopback(listener.host)]
+
+
+def http_answers(listeners: list[Listener], addresses: list[str]) -> list[str]:
+    """Each listener's port tried on each of `addresses` with a plain `GET /` and no
+    credentials: a line for each that answers with a success (below 400)."""
+    return [
+        f"{address}:{lis.port} -> HTTP {status} (pid {lis.pid}, {lis.command[:80]})"
+        for lis in listeners
+        for address in addresses
+        if (status := http_status(address, lis.port)) is not None and status < 400
+    ]
+
+
+def describe(listeners: list[Listener]) -> str:
+    return "\n".join(f"  {x.host}:{x.port}  pid {x.pid}  {x.command[:100]}" for x in listeners)

@@ -4,7 +4,6 @@ addresses, and its GCS refuses a caller without the cluster's token (issue 41)."
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import select
@@ -19,7 +18,14 @@ import pytest
 
 from tests.servers import free_port
 from tests.worker.conftest import TINY_ENGINE_KWARGS
-from tests.worker.listeners import Listener, host_addresses, is_loopback, tree_listeners
+from tests.worker.listeners import (
+    Listener,
+    describe,
+    host_addresses,
+    http_answers,
+    off_loopback,
+    tree_listeners,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -96,27 +102,9 @@ def listeners(serve_process: int) -> list[Listener]:
     return found
 
 
-def _describe(listeners: list[Listener]) -> str:
-    return "\n".join(
-        f"  {lis.host}:{lis.port}  pid {lis.pid}  {lis.command[:100]}" for lis in listeners
-    )
-
-
 def test_every_listener_is_on_loopback(listeners: list[Listener]) -> None:
-    exposed = [listener for listener in listeners if not is_loopback(listener.host)]
-    assert not exposed, f"{len(exposed)} listener(s) off loopback:\n{_describe(exposed)}"
-
-
-def _http_status(host: str, port: int) -> int | None:
-    """The status of a plain `GET /` with no credentials, None when no HTTP answer comes."""
-    connection = http.client.HTTPConnection(host, port, timeout=3)
-    try:
-        connection.request("GET", "/")
-        return connection.getresponse().status
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        connection.close()
+    exposed = off_loopback(listeners)
+    assert not exposed, f"{len(exposed)} listener(s) off loopback:\n{describe(exposed)}"
 
 
 def test_no_listener_answers_http_on_this_hosts_other_addresses(
@@ -127,12 +115,7 @@ def test_no_listener_answers_http_on_this_hosts_other_addresses(
     addresses = host_addresses()
     if not addresses:
         pytest.skip("this host has no address but loopback")
-    answered = [
-        f"{address}:{listener.port} -> HTTP {status} (pid {listener.pid}, {listener.command[:80]})"
-        for listener in listeners
-        for address in addresses
-        if (status := _http_status(address, listener.port)) is not None and status < 400
-    ]
+    answered = http_answers(listeners, addresses)
     assert not answered, "\n".join(answered)
 
 
