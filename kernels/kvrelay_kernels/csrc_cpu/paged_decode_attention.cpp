@@ -13,11 +13,9 @@
 // KV heads in one pass per block), or over (sequence, KV head) when there are fewer sequences
 // than threads, with torch's own thread pool.
 //
-// Two per-call variants (kvrelay_kernels/attention_variants.py): a sliding window, where the
-// decode (at position len - 1) sees the keys from position len - window on, so the key loop
-// simply starts there (blocks wholly before it are never read: a windowed layer costs its
-// window, not its context); and a soft cap, each scaled score s becoming cap * tanh(s / cap)
-// before the softmax (libmvec's vector tanhf under fast-math).
+// Per call (kvrelay_kernels/attention_variants.py): a sliding window starts the key loop at
+// the window's first key (blocks before it are never read), and a soft cap turns each scaled
+// score s into cap * tanh(s / cap) before the softmax (libmvec's vector tanhf: fast-math).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -64,22 +62,6 @@ inline vfloat load(const c10::BFloat16* p) {
 }
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-
-typedef float vhalf_float __attribute__((vector_size(32)));
-typedef float vquarter_float __attribute__((vector_size(16)));
-
-// The 16 lanes summed as a tree (halves, then quarters): a few dependent adds instead of 16.
-inline float hsum(vfloat v) {
-  vhalf_float lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  const vhalf_float eight = lo + hi;
-  vquarter_float a, b;
-  std::memcpy(&a, &eight, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&eight) + sizeof a, sizeof b);
-  const vquarter_float four = a + b;
-  return (four[0] + four[2]) + (four[1] + four[3]);
-}
 
 // Finite stand-in for -inf, so the kernel is safe to build with fast-math flags.
 constexpr float kNoScore = -3.0e38f;
