@@ -84,33 +84,58 @@ def signature(
     return kinds
 
 
+# The attention variants compiled besides plain attention (attention_variants.py): Gemma 2's
+# windowed and capped layers, and Mistral's / Gemma 3's windowed ones; 16-bit caches only.
+VARIANTS = {"window+cap": (True, True), "window": (True, False)}
+
+
 def attention_cases(arch: int) -> list[Case]:
     cases = []
     for shape, heads, kv_heads, head_dim in SHAPES:
         for dtype, short in DTYPES.items():
             if dtype == torch.float32 and shape != "smollm2":
                 continue  # fp32 caches are for tests and CPUs: one shape is enough
+            variants = {"": (False, False)}
+            if dtype != torch.float32:
+                variants |= VARIANTS if dtype == torch.bfloat16 else {"window+cap": (True, True)}
             for all_decode in (True, False):
-                constants = triton_attention.kernel_constants(
-                    heads, kv_heads, head_dim, BLOCK_SIZE, dtype, all_decode, compiled=True
-                )
-                tensors = {"out_ptr": short, "q_ptr": short, "cache_ptr": short}
-                ints = ("tables_ptr", "seq_lens_ptr", "qsl_ptr", "cu_tiles_ptr")
-                pointers = {k: f"*{v}" for k, v in tensors.items()} | {k: "*i32" for k in ints}
-                fn = triton_attention._paged_attention_kernel
-                mode = "decode" if all_decode else "prefill"
-                cases.append(
-                    Case(
-                        "paged_attention",
-                        f"{shape} {short} {mode}",
-                        arch,
-                        fn,
-                        signature(fn, pointers, {"qk_scale"}, constants),
-                        constants,
-                        triton_attention.NUM_WARPS,
+                for variant, (window, cap) in variants.items():
+                    mode = ("decode" if all_decode else "prefill") + (f" {variant}" * bool(variant))
+                    shape_ = (heads, kv_heads, head_dim)
+                    config = f"{shape} {short} {mode}"
+                    cases.append(
+                        _attention_case(arch, shape_, dtype, all_decode, window, cap, config)
                     )
-                )
     return cases
+
+
+def _attention_case(
+    arch: int,
+    heads: tuple[int, int, int],
+    dtype: torch.dtype,
+    all_decode: bool,
+    window: bool,
+    cap: bool,
+    config: str,
+) -> Case:
+    """The varlen attention kernel at one shape (query heads, KV heads, head_dim) and dtype."""
+    constants = triton_attention.kernel_constants(
+        *heads, BLOCK_SIZE, dtype, all_decode, compiled=True, sliding_window=window, soft_cap=cap
+    )
+    short = DTYPES[dtype]
+    tensors = {"out_ptr": short, "q_ptr": short, "cache_ptr": short}
+    ints = ("tables_ptr", "seq_lens_ptr", "qsl_ptr", "cu_tiles_ptr")
+    pointers = {k: f"*{v}" for k, v in tensors.items()} | {k: "*i32" for k in ints}
+    fn = triton_attention._paged_attention_kernel
+    return Case(
+        "paged_attention",
+        config,
+        arch,
+        fn,
+        signature(fn, pointers, {"qk_scale", "cap"}, constants),
+        constants,
+        triton_attention.NUM_WARPS,
+    )
 
 
 def write_kv_cases(arch: int) -> list[Case]:
@@ -261,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         cases = list({(c.kernel, c.arch): c for c in cases}.values())
     print(f"triton {triton.__version__}: compiling {len(cases)} kernel configurations")
     outcomes = [compile_case(c) for c in cases]
-    print(f"{'kernel':<18} {'config':<22} arch  regs  smem(B)  spill(B)  seconds")
+    print(f"{'kernel':<18} {'config':<34} arch  regs  smem(B)  spill(B)  seconds")
     for o in outcomes:
         c = o.case
         status = "  <-- SPILL" if o.spill else ("  <-- ERROR" if o.error else "")
         print(
-            f"{c.kernel:<18} {c.config:<22} sm_{c.arch} {o.registers:>5} {o.shared:>8} "
+            f"{c.kernel:<18} {c.config:<34} sm_{c.arch} {o.registers:>5} {o.shared:>8} "
             f"{o.spill:>9} {o.seconds:>8.1f}{status}"
         )
     errors = [o for o in outcomes if o.error]

@@ -2,7 +2,8 @@
 
 Importing this module imports triton; `triton_backend` imports it lazily so that nothing else
 pays for (or is configured by) triton. It runs on CUDA tensors, and on CPU tensors under
-TRITON_INTERPRET=1 (the CI check). Semantics: `reference.paged_attention`.
+TRITON_INTERPRET=1 (the CI check). Semantics: `reference.paged_attention`, sliding window and
+soft cap included (each a constexpr switch, so plain attention compiles to the code it was).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.plan import AttentionPlan
 
 _LOG2E = 1.4426950408889634
+_LOG2E_C: tl.constexpr = tl.constexpr(_LOG2E)  # the same, as kernels read a global
 
 
 @triton.jit
@@ -48,12 +51,56 @@ def _locate_tile(  # type: ignore[no-untyped-def]  # triton params
 
 
 @triton.jit
+def _soft_cap(s, cap):  # type: ignore[no-untyped-def]  # triton params
+    """cap * tanh(s / cap), tanh written with exp2 (tl.math has no tanh in every release): it
+    saturates to +-1 through inf and 0, no NaN."""
+    e = tl.math.exp2(s * (2.0 * _LOG2E_C) / cap)
+    return cap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def _scores_seen(  # type: ignore[no-untyped-def]  # triton params
+    s, pos, pos_ok, q_pos, window, cap, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr
+):
+    """A tile's scores `s` [ROWS, BLOCK_N] (base 2), capped when HAS_CAP, with a finite minimum
+    where a row does not see the key: a later one, one past the context, or (HAS_WINDOW) one
+    before the row's window. With a window a row may see no key in its first iterations: its
+    sums gather garbage at a max of -1e30 until its first real key, whose rescale
+    exp2(-1e30 - max) = 0 wipes them (every row sees its own position)."""
+    if HAS_CAP:
+        s = _soft_cap(s, cap)
+    visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+    if HAS_WINDOW:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+    return tl.where(visible, s, -1.0e30)
+
+
+@triton.jit
+def _key_range(  # type: ignore[no-untyped-def]  # triton params
+    context, q_len, tok0, window, BLOCK_Q: tl.constexpr, HAS_WINDOW: tl.constexpr
+):
+    """The keys [lo, end) a query tile reads. Causal: its last query sees keys up to its own
+    position, and a dead tile reads nothing; with a window, its first query sees the earliest
+    key, and keys before that are skipped. (An if block, not a ternary: triton compiles only
+    the constexpr-chosen side of an if.)"""
+    end = tl.where(tok0 < q_len, context - q_len + tl.minimum(tok0 + BLOCK_Q, q_len), 0)
+    if HAS_WINDOW:  # noqa: SIM108
+        lo = tl.maximum(context - q_len + tok0 - window + 1, 0)
+    else:
+        lo = 0
+    return lo, end
+
+
+@triton.jit
 def _attend_context(  # type: ignore[no-untyped-def]  # triton params
     q,  # [ROWS, HEAD_DIM_P]
     q_pos,  # [ROWS]: each row's own position; it sees keys 0..q_pos
     base,  # this layer's and KV head's K at block 0, token 0
     table,  # this sequence's block table
+    kv_lo,  # keys before this position are never read (the tile's first window edge)
     kv_end,  # keys past this position are never read
+    window,  # HAS_WINDOW: a row sees keys q_pos - window < j <= q_pos
+    cap,  # HAS_CAP: scores (log2 domain) become cap * tanh(s / cap)
     dims,
     dim_ok,
     stride_block,
@@ -65,16 +112,19 @@ def _attend_context(  # type: ignore[no-untyped-def]  # triton params
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     DOT_F32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
 ):
-    """Causal online-softmax attention of the tile's rows over keys [0, kv_end), BLOCK_N
+    """Causal online-softmax attention of the tile's rows over keys [kv_lo, kv_end), BLOCK_N
     keys at a time; returns the normalized output, [ROWS, HEAD_DIM_P] fp32."""
     # Masked scores are a finite minimum, not -inf: every live row sees key 0 in the first
     # iteration, so its running max is real from then on; dead rows compute harmless garbage
-    # that is never stored (with -inf they would compute NaN = -inf - -inf).
+    # that is never stored (with -inf they would compute NaN = -inf - -inf). (Windows:
+    # _scores_seen.)
     m_i = tl.full((ROWS,), -1.0e30, tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM_P), tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
@@ -86,9 +136,7 @@ def _attend_context(  # type: ignore[no-untyped-def]  # triton params
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q.to(k.dtype), tl.trans(k))
-        s = s * qk_scale
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        s = tl.where(visible, s, -1.0e30)
+        s = _scores_seen(s * qk_scale, pos, pos_ok, q_pos, window, cap, HAS_WINDOW, HAS_CAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -105,7 +153,9 @@ def _attend_context(  # type: ignore[no-untyped-def]  # triton params
 # Ints that change from step to step or layer to layer are not specialized on (Triton would
 # otherwise compile a variant for a value of 1 and for multiples of 16): a new variant is a
 # compile, and a compile met while serving stalls a step (jit_watch.py).
-@triton.jit(do_not_specialize=["num_seqs", "layer_offset", "stride_table"])
+# One program: BLOCK_Q query tokens of one sequence x the GROUP query heads of one KV head, so
+# the K/V tiles it loads serve the whole GQA group. Rows are (token, head) pairs.
+@triton.jit(do_not_specialize=["num_seqs", "layer_offset", "stride_table", "window"])
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
     out_ptr,
     q_ptr,
@@ -126,6 +176,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
     stride_head,
     stride_table,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    window,  # HAS_WINDOW: keys each query sees, itself included
+    cap,  # HAS_CAP: the soft cap * log2(e) (the scores' base-2 domain)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * GROUP_P rows
@@ -134,11 +186,10 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens)
     DOT_F32: tl.constexpr,  # exact fp32 dots (not tf32 nor bf16): fp32 caches, the interpreter
+    HAS_WINDOW: tl.constexpr,  # a sliding window (`window`); else every earlier key
+    HAS_CAP: tl.constexpr,  # soft-capped scores (`cap`)
 ):
-    # One program: BLOCK_Q query tokens of one sequence x the GROUP query heads of one KV
-    # head, so the K/V tiles it loads serve the whole GQA group. Rows are (token, head) pairs.
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
     seq, q_start, q_len, context, tok0 = _locate_tile(
         cu_tiles_ptr, qsl_ptr, seq_lens_ptr, num_seqs, tile, BLOCK_Q
     )
@@ -152,14 +203,14 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # triton params
     q_rows = (q_start + tok).to(tl.int64) * stride_q_tok + head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=mask)
 
-    # Causal: this tile's last query sees keys up to its position; a dead tile reads nothing.
-    kv_end = tl.where(tok0 < q_len, context - q_len + tl.minimum(tok0 + BLOCK_Q, q_len), 0)
+    kv_lo, kv_end = _key_range(context, q_len, tok0, window, BLOCK_Q, HAS_WINDOW)
     q_pos = context - q_len + tok  # the query's own position: it sees keys 0..q_pos
     base = cache_ptr + layer_offset + kv_head * stride_head
     table = tables_ptr + seq.to(tl.int64) * stride_table
     out = _attend_context(
-        q, q_pos, base, table, kv_end, dims, dim_ok, stride_block, stride_kv, stride_token,
-        qk_scale, BLOCK_Q * GROUP_P, BLOCK_N, BLOCK_SIZE, HEAD_DIM_P, DOT_F32,
+        q, q_pos, base, table, kv_lo, kv_end, window, cap, dims, dim_ok, stride_block,
+        stride_kv, stride_token, qk_scale, BLOCK_Q * GROUP_P, BLOCK_N, BLOCK_SIZE, HEAD_DIM_P,
+        DOT_F32, HAS_WINDOW, HAS_CAP,
     )  # fmt: skip
     o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
     tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -180,8 +231,11 @@ def paged_attention(
     *,
     plan: AttentionPlan | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same meaning as `reference.paged_attention`, one kernel launch for the whole batch."""
+    check_variants(sliding_window, soft_cap)
     if query.stride(2) != 1:
         query = query.contiguous()
     if out is None:
@@ -195,6 +249,7 @@ def paged_attention(
     constants = kernel_constants(
         query.shape[1], kv_cache.shape[4], query.shape[2], kv_cache.shape[3],
         kv_cache.dtype, all_decode, compiled=query.is_cuda,
+        sliding_window=sliding_window is not None, soft_cap=soft_cap is not None,
     )  # fmt: skip
     block_q, num_seqs = int(constants["BLOCK_Q"]), seq_lens.shape[0]
     # sum(ceil(q_len / block_q)) <= num_tokens // block_q + num_seqs: a host-side bound, so
@@ -220,6 +275,7 @@ def paged_attention(
         kv_cache.stride(4),
         block_tables.stride(0),
         scale * _LOG2E,
+        *(sliding_window or 0, (soft_cap or 0.0) * _LOG2E),  # window, cap (0: unused)
         **constants,
         num_warps=NUM_WARPS,
     )
@@ -238,9 +294,12 @@ def kernel_constants(
     all_decode: bool,
     *,
     compiled: bool,
+    sliding_window: bool = False,
+    soft_cap: bool = False,
 ) -> dict[str, int | bool]:
     """The kernel's constexpr arguments (its tile shape) for a batch of this shape;
-    `compiled`: for a GPU (False: the CPU interpreter)."""
+    `compiled`: for a GPU (False: the CPU interpreter); `sliding_window`, `soft_cap`: whether
+    the call has them (a variant of its own, compiled on first use)."""
     group = num_heads // num_kv_heads
     group_p = _pow2_at_least(group)
     head_dim_p = _pow2_at_least(head_dim, 16)
@@ -256,6 +315,8 @@ def kernel_constants(
         # triton 3.9's interpreter computes bf16 / fp16 tl.dot wrongly (garbage): it does
         # those dots in fp32, on the same 16-bit inputs.
         "DOT_F32": dtype == torch.float32 or not compiled,
+        "HAS_WINDOW": sliding_window,
+        "HAS_CAP": soft_cap,
     }
 
 

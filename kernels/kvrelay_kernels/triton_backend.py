@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import torch
 
 from kvrelay_kernels import reference
-from kvrelay_kernels.attention_variants import refuse_unsupported
+from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.plan import AttentionPlan
 
 # The attention variants (attention_variants.py) this backend implements.
-SLIDING_WINDOW = False
-SOFT_CAP = False
+SLIDING_WINDOW = True
+SOFT_CAP = True
 
 
 def interpreting() -> bool:
@@ -51,21 +52,27 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Same meaning as `reference.paged_attention`."""
-    refuse_unsupported(
-        "triton", sliding_window, soft_cap, window_ok=SLIDING_WINDOW, cap_ok=SOFT_CAP
-    )
+    """Same meaning as `reference.paged_attention` (sliding window and soft cap included)."""
+    check_variants(sliding_window, soft_cap)
+    # Passed on only when set: a plain call keeps its arguments as they were.
+    variant = _variant_kwargs(sliding_window, soft_cap)
     if not _runs_here(kv_cache):
         return reference.paged_attention(
             query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale,
-            plan=plan, out=out,
+            plan=plan, out=out, **variant,
         )  # fmt: skip
     from kvrelay_kernels import triton_attention
 
     return triton_attention.paged_attention(
         query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale,
-        plan=plan, out=out,
+        plan=plan, out=out, **variant,
     )  # fmt: skip
+
+
+def _variant_kwargs(sliding_window: int | None, soft_cap: float | None) -> dict[str, Any]:
+    """The variants' keyword arguments, only those that are set."""
+    named = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    return {name: value for name, value in named.items() if value is not None}
 
 
 def write_kv(
