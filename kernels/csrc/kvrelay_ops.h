@@ -40,6 +40,12 @@ struct PagedDecodeParams {
   int head_dim;
   int block_size;               // a power of two
   float scale;
+  // Per-call variants (kvrelay_kernels/attention_variants.py). sliding_window > 0: a decode
+  // sees its last sliding_window keys only (the context before them is never read, and the
+  // split-K partitions below cover the window, not the context); 0: every key. soft_cap > 0:
+  // each scaled score s becomes soft_cap * tanh(s / soft_cap); 0: no cap.
+  int sliding_window;
+  float soft_cap;
   // Split-K: `num_partitions` > 1 splits each context into `partition_size`-token pieces,
   // written to the fp32 workspace below and merged by a reduction kernel.
   int num_partitions;

@@ -17,7 +17,8 @@ cudaError_t paged_decode_attention(const PagedDecodeParams& params, DType dtype,
                                    cudaStream_t stream) {
   const int bs = params.block_size;
   if (!decode_supports_head_dim(params.head_dim) || bs <= 0 || (bs & (bs - 1)) != 0 ||
-      params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0) {
+      params.num_kv_heads <= 0 || params.num_heads % params.num_kv_heads != 0 ||
+      params.sliding_window < 0 || !(params.soft_cap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
   if (params.num_seqs == 0) return cudaSuccess;

@@ -16,6 +16,9 @@
 //     of the output; the four warps' partial outputs are summed once, at the end.
 //   * Long contexts are split into partitions (split-K) written to an fp32 workspace and
 //     merged by `paged_decode_reduce_kernel`, so a small batch still fills the GPU.
+//   * A sliding window moves the first key read (`first_key`): partitions start there, so a
+//     windowed layer reads and splits its window only. A soft cap is a template switch
+//     (kSoftCap): plain attention compiles to the kernel it was.
 #pragma once
 
 #include <cfloat>
@@ -34,6 +37,11 @@ __host__ __device__ constexpr int floor_pow2(int x) {
 
 __host__ __device__ constexpr int clamp_int(int x, int lo, int hi) {
   return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// The first key a decode of `context` tokens reads: its last `window` (0: every key).
+__device__ __forceinline__ int first_key(int context, int window) {
+  return window > 0 && context > window ? context - window : 0;
 }
 
 template <typename T, int kHeadDim>
@@ -62,7 +70,7 @@ struct DecodeConfig {
   static_assert(kTile <= 2 * kWarpSize, "softmax handles at most 64 tokens per tile");
 };
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kSoftCap>
 __global__ void __launch_bounds__(128) paged_decode_kernel(const PagedDecodeParams p) {
   using Cfg = DecodeConfig<T, kHeadDim>;
   constexpr int kVec = Cfg::kVec;
@@ -88,13 +96,16 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(const PagedDecodePara
   const int part = blockIdx.z;
 
   const int context = p.seq_lens[seq];
-  const int start = part * p.partition_size;
+  const int start = first_key(context, p.sliding_window) + part * p.partition_size;
   if (start >= context) return;  // this sequence needs fewer partitions than the longest
   const int end = min(context, start + p.partition_size);
   const int num_tiles = (end - start + kTile - 1) / kTile;
 
   // q, pre-multiplied by scale * log2(e) so the softmax can use exp2.
   const float q_scale = p.scale * 1.4426950408889634f;
+  // The cap in the same base-2 domain: log2(e) * c * tanh(s / c) = c2 * tanh(s2 / c2).
+  const float cap2 = p.soft_cap * 1.4426950408889634f;
+  const float inv_cap2 = kSoftCap ? 1.f / cap2 : 0.f;
   const T* q = static_cast<const T*>(p.query) + seq * p.q_seq_stride;
   for (int i = tid; i < num_q * kHeadDim; i += Cfg::kThreads) {
     const int g = i / kHeadDim, d = i % kHeadDim;
@@ -178,6 +189,7 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(const PagedDecodePara
             }
           }
           dot = group_sum<Cfg::kQkLanes>(dot);
+          if (kSoftCap) dot = cap2 * tanhf(dot * inv_cap2);
           if (sub == 0) s_smem[g][t] = tile_start + t < end ? dot : -INFINITY;
         }
       }
@@ -267,7 +279,8 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const PagedDec
   __shared__ float warp_vals[4];
   const int head = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
   const int lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int parts = (p.seq_lens[seq] + p.partition_size - 1) / p.partition_size;
+  const int keys = p.seq_lens[seq] - first_key(p.seq_lens[seq], p.sliding_window);
+  const int parts = (keys + p.partition_size - 1) / p.partition_size;
   const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
   const float* pmax = p.partial_max + row * p.num_partitions;
   const float* psum = p.partial_sum + row * p.num_partitions;
@@ -310,7 +323,11 @@ cudaError_t launch_paged_decode(const PagedDecodeParams& params, cudaStream_t st
   const int group = p.num_heads / p.num_kv_heads;
   const int chunks = (group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;
   const dim3 grid(p.num_kv_heads * chunks, p.num_seqs, p.num_partitions);
-  paged_decode_kernel<T, kHeadDim><<<grid, Cfg::kThreads, 0, stream>>>(p);
+  if (p.soft_cap > 0.f) {
+    paged_decode_kernel<T, kHeadDim, true><<<grid, Cfg::kThreads, 0, stream>>>(p);
+  } else {
+    paged_decode_kernel<T, kHeadDim, false><<<grid, Cfg::kThreads, 0, stream>>>(p);
+  }
   if (p.num_partitions > 1) {
     const size_t smem = static_cast<size_t>(p.num_partitions) * sizeof(float);
     paged_decode_reduce_kernel<T>

@@ -5,6 +5,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "kvrelay_ops.h"
 
 namespace {
@@ -63,12 +66,14 @@ int64_t decode_num_partitions(int64_t max_seq_len, int64_t num_seqs, int64_t num
 // any count is correct for contexts up to num_partitions * kPartitionSize, and 1 for any
 // context); <= 0 lets decode_num_partitions decide. workspace, when given, is the fp32
 // split-K scratch (at least num_seqs * num_heads * num_partitions * (head_dim + 2) floats),
-// so nothing is allocated per call.
+// so nothing is allocated per call. sliding_window > 0: each decode sees its last
+// sliding_window keys (0: all); soft_cap > 0: scores become soft_cap * tanh(s / soft_cap).
 void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
                             const torch::Tensor& kv_cache, int64_t layer,
                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                             int64_t max_seq_len, double scale, int64_t num_partitions,
-                            const c10::optional<torch::Tensor>& workspace) {
+                            const c10::optional<torch::Tensor>& workspace, int64_t sliding_window,
+                            double soft_cap) {
   TORCH_CHECK(query.is_cuda() && kv_cache.is_cuda(), "tensors must be on a CUDA device");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [seqs, heads, dim]");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must match query");
@@ -79,6 +84,11 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "tables: rows contiguous");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX && soft_cap >= 0.0 &&
+                  soft_cap <= 3.0e38,
+              "sliding_window (0: none) and soft_cap (0: none) must be >= 0 and finite");
+  // The keys a decode reads: its window when shorter (what split-K has to cover).
+  if (sliding_window > 0) max_seq_len = std::min(max_seq_len, sliding_window);
   const c10::cuda::CUDAGuard guard(query.device());
   const int num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int num_kv_heads = kv_cache.size(4);
@@ -110,6 +120,8 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
   p.head_dim = head_dim;
   p.block_size = kv_cache.size(3);
   p.scale = static_cast<float>(scale);
+  p.sliding_window = static_cast<int>(sliding_window);
+  p.soft_cap = static_cast<float>(soft_cap);
   p.partition_size = kvrelay::kPartitionSize;
   p.num_partitions = static_cast<int>(
       num_partitions > 0 ? num_partitions
@@ -195,7 +207,11 @@ void copy_blocks(torch::Tensor& kv_cache, const torch::Tensor& src, const torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvrelay CUDA kernels: paged decode attention, write_kv, copy_blocks";
-  m.def("paged_decode_attention", &paged_decode_attention);
+  namespace py = pybind11;
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"),
+        py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("max_seq_len"), py::arg("scale"), py::arg("num_partitions"),
+        py::arg("workspace"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
   m.def("write_kv", &write_kv);
   m.def("copy_blocks", &copy_blocks);
   m.def("decode_num_partitions", &decode_num_partitions);

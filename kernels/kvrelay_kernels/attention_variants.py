@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import math
 
-# The backend that implements every variant, named in refusals as the way out.
-ALL_VARIANTS_BACKEND = "torch"
-
 
 def check_variants(sliding_window: int | None, soft_cap: float | None) -> None:
     """Raise ValueError when a window or cap is out of its domain (None is always fine)."""
@@ -31,32 +28,3 @@ def check_variants(sliding_window: int | None, soft_cap: float | None) -> None:
 def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:
     """An instance of `kinds` that is not a bool (True is an int to isinstance)."""
     return isinstance(value, kinds) and not isinstance(value, bool)
-
-
-def refuse_unsupported(
-    backend: str,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    *,
-    window_ok: bool,
-    cap_ok: bool,
-    alternative: str = ALL_VARIANTS_BACKEND,
-) -> None:
-    """Check the variants, then raise ValueError naming `backend`, the feature and
-    `alternative` when a variant is asked for that the backend does not implement."""
-    check_variants(sliding_window, soft_cap)
-    asked = []
-    if sliding_window is not None and not window_ok:
-        asked.append(f"sliding-window attention (sliding_window={sliding_window})")
-    if soft_cap is not None and not cap_ok:
-        asked.append(f"attention-logit soft-capping (soft_cap={soft_cap})")
-    if asked:
-        raise ValueError(
-            f"the {backend!r} attention backend does not implement {' or '.join(asked)}; "
-            f"choose the {alternative!r} backend for this model"
-        )
-
-
-def window_start(context_len: int, sliding_window: int | None) -> int:
-    """The first key position the last query of a `context_len`-token context sees."""
-    return 0 if sliding_window is None else max(0, context_len - sliding_window)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvrelay_kernels import reference, triton_backend
-from kvrelay_kernels.attention_variants import refuse_unsupported
+from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.counters import COUNTERS
 from kvrelay_kernels.plan import AttentionPlan, plan_on_device
 from kvrelay_kernels.split import VarlenKernel, split_attention
@@ -34,9 +34,11 @@ PARTITION_SIZE = 512
 # Head sizes and dtypes with compiled decode kernels (kernels/csrc/paged_decode.cuh).
 HEAD_DIMS = frozenset({64, 80, 96, 128, 256})
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-# The attention variants (attention_variants.py) this backend implements.
-SLIDING_WINDOW = False
-SOFT_CAP = False
+# The attention variants (attention_variants.py) this backend implements: the decode kernel
+# takes both (paged_decode.cuh), and so do Triton's varlen kernel and the reference, which
+# serve the prefill rows.
+SLIDING_WINDOW = True
+SOFT_CAP = True
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -139,6 +141,8 @@ def decode_attention(
     *,
     num_partitions: int = 0,
     workspace: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention by the CUDA kernel: `query` `[num_seqs, num_heads, head_dim]`, one
     token per sequence, `seq_lens` its context (own token included), `max_seq_len` their
@@ -147,6 +151,7 @@ def decode_attention(
     `num_partitions` > 0 fixes the split-K count (CUDA graphs: the launch shape must not
     change between replays), and `workspace` (fp32, `split_workspace_numel` elements) is
     the split-K scratch reused instead of allocated per call; 0 lets the kernel decide.
+    `sliding_window` and `soft_cap`: attention_variants.py (the kernel reads the window only).
     """
     module = load_extension()
     assert module is not None, "decode_attention needs the CUDA kernels (is_available())"
@@ -157,9 +162,11 @@ def decode_attention(
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     COUNTERS.cuda_decode_calls += 1
-    module.paged_decode_attention(
-        out, query, kv_cache, layer, tables, lens, max_seq_len, scale, num_partitions, workspace
-    )
+    args = (out, query, kv_cache, layer, tables, lens, max_seq_len, scale, num_partitions)
+    if sliding_window is None and soft_cap is None:  # the plain call, as it always was
+        module.paged_decode_attention(*args, workspace)
+    else:  # the kernel's "none" is 0
+        module.paged_decode_attention(*args, workspace, sliding_window or 0, soft_cap or 0.0)
     return out
 
 
@@ -203,12 +210,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same meaning as `reference.paged_attention`. Decode rows go to the CUDA decode kernel
     and prefill rows to the Triton varlen kernel, in one step (split.py); shapes without a
-    compiled decode kernel send the whole batch to Triton (else the torch reference)."""
-    refuse_unsupported("cuda", sliding_window, soft_cap, window_ok=SLIDING_WINDOW, cap_ok=SOFT_CAP)
+    compiled decode kernel send the whole batch to Triton (else the torch reference). The
+    sliding window and soft cap reach every kernel."""
+    check_variants(sliding_window, soft_cap)
+    variant = _variant_kwargs(sliding_window, soft_cap)
     if not kv_cache.is_cuda:
         return reference.paged_attention(
             query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale,
-            plan=plan, out=out,
+            plan=plan, out=out, **variant,
         )  # fmt: skip
     if plan is None:  # a direct caller: the plan's indices must live where the query does
         plan, block_tables, seq_lens, query_start_loc = plan_on_device(
@@ -216,35 +225,46 @@ def paged_attention(
         )
     args = (query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale)
     if not (plan.has_decodes and _decode_supported(query, kv_cache) and load_extension()):
-        return _without_decode_kernel(args, plan, out)
+        return _without_decode_kernel(args, plan, out, variant)
 
     def decode(
         q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, into: torch.Tensor | None
     ) -> torch.Tensor:
         return decode_attention(
             q, kv_cache, layer, tables, lens, plan.decode_context, scale, out=into,
-            num_partitions=plan.decode_partitions, workspace=plan.decode_workspace,
+            num_partitions=plan.decode_partitions, workspace=plan.decode_workspace, **variant,
         )  # fmt: skip
 
     if out is not None and not out.is_contiguous():
         # The decode kernel writes contiguous rows; a strided `out` gets the result copied.
-        return out.copy_(paged_attention(*args, plan=plan))
+        return out.copy_(paged_attention(*args, plan=plan, **variant))
     if not plan.prefills or not triton_backend.is_available():
         result = split_attention(
             query, block_tables, seq_lens, query_start_loc, replace(plan, prefills=()), out,
             decode, _no_prefill,
         )  # fmt: skip
         if plan.prefills:  # no Triton here: the reference computes the prefill rows
-            reference.prefill_attention(query, kv_cache, layer, plan, scale, result)
+            reference.prefill_attention(
+                query, kv_cache, layer, plan, scale, result, sliding_window, soft_cap
+            )
         return result
 
-    prefill = _triton_prefill(kv_cache, layer, scale)
+    prefill = _triton_prefill(kv_cache, layer, scale, variant)
     return split_attention(
         query, block_tables, seq_lens, query_start_loc, plan, out, decode, prefill
     )
 
 
-def _triton_prefill(kv_cache: torch.Tensor, layer: int, scale: float) -> VarlenKernel:
+def _variant_kwargs(sliding_window: int | None, soft_cap: float | None) -> dict[str, Any]:
+    """The variants' keyword arguments, only those that are set (a plain call keeps its
+    arguments as they were)."""
+    named = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    return {name: value for name, value in named.items() if value is not None}
+
+
+def _triton_prefill(
+    kv_cache: torch.Tensor, layer: int, scale: float, variant: dict[str, Any]
+) -> VarlenKernel:
     """The Triton varlen kernel over a split step's prefill rows (split.py's VarlenKernel)."""
 
     def prefill(
@@ -256,20 +276,20 @@ def _triton_prefill(kv_cache: torch.Tensor, layer: int, scale: float) -> VarlenK
     ) -> torch.Tensor:
         COUNTERS.triton_prefill_calls += 1
         return triton_backend.paged_attention(
-            q, kv_cache, layer, tables, lens, qsl, scale, out=into
+            q, kv_cache, layer, tables, lens, qsl, scale, out=into, **variant
         )
 
     return prefill
 
 
 def _without_decode_kernel(
-    args: tuple[Any, ...], plan: AttentionPlan, out: torch.Tensor | None
+    args: tuple[Any, ...], plan: AttentionPlan, out: torch.Tensor | None, variant: dict[str, Any]
 ) -> torch.Tensor:
     """The whole batch on Triton (else the torch reference): no compiled decode kernel fits."""
     if triton_backend.is_available():
         COUNTERS.triton_prefill_calls += bool(plan.prefills)
-        return triton_backend.paged_attention(*args, plan=plan, out=out)
-    return reference.paged_attention(*args, plan=plan, out=out)
+        return triton_backend.paged_attention(*args, plan=plan, out=out, **variant)
+    return reference.paged_attention(*args, plan=plan, out=out, **variant)
 
 
 def _no_prefill(*_: object) -> torch.Tensor:

@@ -65,6 +65,8 @@ class FakeCudaKernels:
         scale: float,
         num_partitions: int,
         workspace: torch.Tensor | None,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
     ) -> None:
         _on_device(out=out, query=query, kv_cache=kv_cache, block_tables=block_tables,
                    seq_lens=seq_lens, workspace=workspace)  # fmt: skip
@@ -86,6 +88,10 @@ class FakeCudaKernels:
             raise RuntimeError(f"unsupported head_dim {head_dim}")
         if not isinstance(max_seq_len, int):
             raise TypeError("max_seq_len must be a host int (no device read)")
+        if sliding_window < 0 or not 0 <= soft_cap < float("inf"):
+            raise RuntimeError("sliding_window (0: none) and soft_cap (0: none) must be >= 0")
+        if sliding_window > 0:  # the binding's split-K covers the window only
+            max_seq_len = min(max_seq_len, sliding_window)
         parts = num_partitions or FakeCudaKernels.decode_num_partitions(
             max_seq_len, seqs, kv_cache.shape[4], heads // kv_cache.shape[4], 132
         )
@@ -152,6 +158,8 @@ def fake_triton_attention(
     *,
     plan: Any = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`triton_attention.paged_attention`: the varlen kernel over prefill (and decode) rows."""
     _on_device(query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,

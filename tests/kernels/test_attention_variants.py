@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrelay_kernels import build_plan, reference, select_backend
-from kvrelay_kernels.attention_variants import check_variants, refuse_unsupported, window_start
+from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.backend import _BACKENDS
 from tests.kernels.variant_cases import (
     MIXED_CASES,
@@ -130,54 +130,20 @@ def test_out_of_domain_variants_are_refused_by_name(
         )  # fmt: skip
 
 
-def test_refusals_name_the_backend_the_feature_and_the_way_out() -> None:
-    refuse_unsupported("x", None, None, window_ok=False, cap_ok=False)  # nothing asked
-    refuse_unsupported("x", 4, 2.0, window_ok=True, cap_ok=True)
-    with pytest.raises(ValueError, match=r"'x'.*sliding-window.*'torch'"):
-        refuse_unsupported("x", 4, None, window_ok=False, cap_ok=True)
-    with pytest.raises(ValueError, match=r"'x'.*soft-capping \(soft_cap=2.0\).*'torch'"):
-        refuse_unsupported("x", 4, 2.0, window_ok=True, cap_ok=False)
-    with pytest.raises(ValueError, match="sliding_window must be"):  # the domain comes first
-        refuse_unsupported("x", 0, None, window_ok=True, cap_ok=True)
-
-
 @pytest.mark.parametrize("name", sorted(_BACKENDS))
-def test_each_backend_says_what_it_implements(name: str) -> None:
+def test_every_backend_implements_both_variants(name: str) -> None:
     backend = _BACKENDS[name]
-    backend.check_supports(sliding_window=False, soft_cap=False)
-    for window, cap in ((True, False), (False, True), (True, True)):
-        supported = (not window or backend.sliding_window) and (not cap or backend.soft_cap)
-        if supported:
-            backend.check_supports(sliding_window=window, soft_cap=cap)
-        else:
-            with pytest.raises(ValueError, match=rf"{name!r}.*'torch' backend"):
-                backend.check_supports(sliding_window=window, soft_cap=cap)
-
-
-def test_the_torch_backend_implements_both() -> None:
-    backend = select_backend("torch")
     assert backend.sliding_window and backend.soft_cap
+    backend.check_supports(sliding_window=True, soft_cap=True)
 
 
-@pytest.mark.parametrize("name", ["triton", "cuda"])
-def test_a_backend_without_a_variant_refuses_the_call(name: str) -> None:
-    """Called anyway (the engine's load-time check skipped), the backend raises before any
-    kernel runs, even on CPU tensors it would hand to the reference."""
-    backend = _BACKENDS[name]
-    batch = MIXED_CASES[3].batch(0)
-    args = (batch.query, batch.kv_cache, 0, batch.block_tables, batch.seq_lens)
-    asks = ((4, None, backend.sliding_window), (None, 2.0, backend.soft_cap))
-    for window, cap, supported in asks:
-        if supported:
-            continue
-        with pytest.raises(ValueError, match=rf"{name!r} attention backend"):
-            backend.paged_attention(
-                *args, batch.query_start_loc, 0.3, sliding_window=window, soft_cap=cap
-            )
-
-
-def test_window_start() -> None:
-    assert window_start(10, None) == 0
-    assert window_start(10, 4) == 6
-    assert window_start(3, 4) == 0
-    assert window_start(4, 4) == 0
+@pytest.mark.parametrize(("window", "cap"), [(True, False), (False, True), (True, True)])
+def test_a_backend_without_a_variant_is_refused_at_load_by_name(window: bool, cap: bool) -> None:
+    """What the engine's load-time check says of a backend lacking a variant (none of today's
+    lacks one): the backend, each missing feature, and the way out."""
+    lacking = replace(select_backend("torch"), name="x", sliding_window=False, soft_cap=False)
+    lacking.check_supports(sliding_window=False, soft_cap=False)  # a model needing neither
+    with pytest.raises(ValueError, match=r"'x' attention backend .*'torch' backend") as refused:
+        lacking.check_supports(sliding_window=window, soft_cap=cap)
+    assert ("sliding-window" in str(refused.value)) is window
+    assert ("soft-capping" in str(refused.value)) is cap
