@@ -146,12 +146,14 @@ def test_the_operator_makes_exactly_these_objects(deployment: dict[str, Any]) ->
             ("Deployment", "chat-router"),
             ("KVRelayPool", "chat-decode"),
             ("KVRelayPool", "chat-prefill"),
+            ("NetworkPolicy", "chat-ray"),
             ("PodDisruptionBudget", "chat-decode"),
             ("PodDisruptionBudget", "chat-prefill"),
             ("PodDisruptionBudget", "chat-router"),
             ("RayCluster", f"chat-{new[:8]}"),
             ("RayCluster", f"chat-{old[:8]}"),
             ("Secret", "chat-kv"),
+            ("Secret", "chat-ray-auth"),
             ("Service", "chat-router"),
         ]
     )
