@@ -79,6 +79,83 @@ def test_incremental_table_equals_a_full_rebuild(seed: int) -> None:
     assert 0 < writes < rebuilt / 2  # far fewer entries sent than a rebuild every step
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_rewriting_only_the_changed_rows_equals_a_full_rebuild(seed: int) -> None:
+    """`update_changed` (told which tables changed) and `update` (given every table), mixed
+    at random over the same table: after each step the gathered tables equal the rebuilt
+    ones, zeros included, and the mirror equals the device."""
+    rng = random.Random(seed)
+    max_blocks = 10
+    table = DeviceBlockTable(rows=1, max_blocks=max_blocks, device=torch.device("cpu"))
+    live: dict[str, list[int]] = {}
+    changed: set[str] = set()
+    blocks = iter(range(1, 10_000))
+    partial = full = 0
+    for step in range(80):
+        op = rng.choice(["add", "grow", "grow", "grow", "finish", "preempt", "fork", "none"])
+        rid = rng.choice(sorted(live)) if live else None
+        if op == "add" or rid is None:
+            rid = f"r{step}"
+            live[rid] = [next(blocks) for _ in range(rng.randint(1, 5))]
+        elif op == "grow" and len(live[rid]) < max_blocks:
+            live[rid].append(next(blocks))
+        elif op == "finish":
+            del live[rid]
+        elif op == "preempt":  # freed, then re-allocated shorter or longer
+            live[rid] = [next(blocks) for _ in range(rng.randint(1, max_blocks))]
+        elif op == "fork":  # the parent's blocks, then its own copy of the last one
+            live[rid + "f"] = [*live[rid][:-1], next(blocks)]
+            rid += "f"
+        changed.add(rid)
+        if not live:
+            continue
+        ids = [r for r in sorted(live) if rng.random() > 0.2] or sorted(live)[:1]
+        rng.shuffle(ids)
+        if rng.random() < 0.7:
+            update, width = table.update_changed(ids, changed, live.__getitem__)
+            partial += 1
+        else:
+            update, width = table.update(ids, [live[i] for i in ids]), 0
+            full += 1
+        changed = set()
+        table.apply(torch.from_numpy(update.write_index), torch.from_numpy(update.write_value))
+        longest = max(len(live[i]) for i in ids)
+        assert width in (0, longest)
+        got = table.gather(torch.from_numpy(update.rows), longest)
+        assert torch.equal(got, _rebuild([live[i] for i in ids], longest))
+        assert np.array_equal(table.table.numpy(), table._mirror)
+    assert partial > 20 and full > 5
+
+
+def test_only_changed_and_newly_placed_rows_are_read() -> None:
+    """A decode step reads no table but the changed ones (and those of requests new to the
+    table); a block past a row's table is refused rather than read as zero."""
+    table = DeviceBlockTable(rows=2, max_blocks=6, device=torch.device("cpu"))
+    live = {"a": [3, 4], "b": [7]}
+    read: list[str] = []
+
+    def table_of(request_id: str) -> list[int]:
+        read.append(request_id)
+        return live[request_id]
+
+    update, width = table.update_changed(["a", "b"], set(), table_of)
+    assert sorted(read) == ["a", "b"] and width == 2  # both new to the table
+    assert len(update.write_index) == 3
+    read.clear()
+    update, width = table.update_changed(["b", "a"], set(), table_of)
+    assert read == [] and len(update.write_index) == 0 and width == 2
+    live["b"].append(9)
+    update, width = table.update_changed(["a", "b"], {"b", "gone"}, table_of)
+    assert read == ["b"] and update.write_value.tolist() == [9]
+    rows = update.rows
+    assert table.blocks_at(rows, np.array([1, 1])).tolist() == [4, 9]
+    with pytest.raises(ValueError, match="past its block table"):
+        table.blocks_at(rows, np.array([2, 0]))
+    live["b"] = list(range(1, 8))
+    with pytest.raises(ValueError, match="'b' holds 7 blocks, more than the 6"):
+        table.update_changed(["a", "b"], {"b"}, table_of)
+
+
 def test_a_decode_step_writes_only_the_new_block() -> None:
     table = DeviceBlockTable(rows=4, max_blocks=8, device=torch.device("cpu"))
     live = {"a": [3, 4], "b": [7]}

@@ -5,9 +5,12 @@ padded rows never change the real rows' outputs or the cache (torch reference, C
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.cuda_graphs import DecodeGraphs
@@ -107,6 +110,47 @@ def test_static_inputs_pad_rows_and_the_capture_plan() -> None:
     assert plan.decode_partitions == 4 and plan.decode_workspace is workspace
     assert not plan.prefills and plan.decode_lens is not None
     assert plan.decode_lens.data_ptr() == static.seq_lens.data_ptr()  # views: replay reads them
+
+
+def test_loading_a_step_makes_its_slices_once_per_shape() -> None:
+    """A replay's copies go into slices of the static buffers, made once per row count and
+    table width (each a device op): a later step of the same shape makes only the copies,
+    and still loads its own values."""
+    static = StaticDecodeInputs.allocate(8, 4, torch.device("meta"))
+    ids = torch.zeros(3, dtype=torch.int64, device="meta")
+    lens = torch.zeros(3, dtype=torch.int32, device="meta")
+    tables = torch.zeros(3, 2, dtype=torch.int32, device="meta")
+    static.load(4, ids, ids, ids, lens, tables)
+    with _Ops() as ops:
+        static.load(4, ids, ids, ids, lens, tables)
+    assert ops.names == ["copy_"] * 5 + ["fill_"] * 4  # rows 3:4 padded
+    narrow = tables[:, :1]
+    with _Ops() as ops:
+        static.load(3, ids, ids, ids, lens, narrow)  # a new shape: its slices, once
+    assert sorted(ops.names) == ["copy_"] * 5 + ["slice"] * 6  # 4 rows, table rows and columns
+    with _Ops() as ops:
+        static.load(3, ids, ids, ids, lens, narrow)
+    assert ops.names == ["copy_"] * 5
+    cpu = StaticDecodeInputs.allocate(4, 2, CPU)
+    for value in (5, 6):
+        full = torch.full((2,), value)
+        cpu.load(3, full, full, full, full.int(), torch.full((2, 2), value, dtype=torch.int32))
+        assert cpu.input_ids[:3].tolist() == [value, value, 0]
+        assert cpu.slot_mapping[:3].tolist() == [value, value, PAD_SLOT]
+        assert cpu.block_tables[:2].tolist() == [[value] * 2] * 2
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the ops called inside on meta tensors (device ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_padded_rows_never_change_the_real_rows(tiny_llama_dir: Path) -> None:

@@ -194,3 +194,84 @@ def test_finish_while_waiting_for_remote_kv_frees_its_blocks() -> None:
     assert request.status == RequestStatus.FINISHED_ABORTED
     assert not s.waiting_for_remote_kv and s.num_unfinished == 0
     assert s.kv_cache.pool.is_whole()
+
+
+# --- pure decode steps (what the runner builds from its persistent batch) ---------------------
+
+
+def test_a_step_of_only_decodes_says_so() -> None:
+    """`decodes_only`: every chunk one sampling token without forks, whether or not it needed
+    a new block; a prefill chunk in the step, or a leader with forks, makes it False."""
+    s = make_scheduler(budget=64)
+    s.add(make_request("a", 3, arrival=0))
+    s.add(make_request("b", 4, arrival=1))
+    out = s.schedule()
+    assert plan(out) == [("a", 0, 3), ("b", 0, 4)] and not out.decodes_only
+    run_step(s, out)
+    out = s.schedule()  # a's token fits its block; b's needs a second block
+    assert plan(out) == [("a", 3, 1), ("b", 4, 1)] and out.decodes_only
+    run_step(s, out)
+    s.add(make_request("c", 5, arrival=2))
+    out = s.schedule()
+    assert plan(out) == [("a", 4, 1), ("b", 5, 1), ("c", 0, 5)] and not out.decodes_only
+    run_step(s, out)
+    forked = make_request("d", 1, arrival=3)
+    s.add(forked, forks=[make_request("d-1", 1, arrival=3)])
+    out = s.schedule()  # d's one-token prompt samples, and its fork joins: not plain
+    assert out.chunks[-1].forks and not out.decodes_only
+    run_step(s, out)
+    assert s.schedule().decodes_only  # a, b, c, d and d-1 decode
+
+
+def test_decodes_only_counts_again_after_a_preemption() -> None:
+    """A victim already scheduled is taken out of the step: what is left still decodes."""
+    s = make_scheduler(budget=64, num_blocks=5)
+    s.add(make_request("old", 8, arrival=0))
+    s.add(make_request("new", 8, arrival=1))
+    run_step(s, s.schedule())
+    out = s.schedule()  # both need a third block; 5 blocks hold one more: new is preempted
+    assert plan(out) == [("old", 8, 1)] and [r.request_id for r in out.preempted] == ["new"]
+    assert out.decodes_only
+
+
+def test_the_service_order_is_kept_until_the_running_set_changes() -> None:
+    """The sorted order is reused while `running` holds the same requests; a request that
+    joins (or leaves) is placed by priority, then arrival, at once."""
+    s = make_scheduler(budget=64)
+    for rid, arrival in (("b", 1.0), ("a", 0.0)):
+        s.add(make_request(rid, 2, arrival=arrival))
+    run_step(s, s.schedule())
+    order = s._in_service_order()
+    assert [r.request_id for r in order] == ["a", "b"] and s._in_service_order() is order
+    s.add(make_request("urgent", 2, priority=-1, arrival=5.0))
+    run_step(s, s.schedule())
+    assert [c.request.request_id for c in s.schedule().chunks] == ["urgent", "a", "b"]
+    [a] = [r for r in s.running if r.request_id == "a"]
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in s._in_service_order()] == ["urgent", "b"]
+
+
+def test_decode_fits_answers_as_allocate_slots_would() -> None:
+    """`decode_fits` is True exactly when `allocate_slots` for the next token would change
+    nothing (no block to add, no shared block to copy); `take_changed` names every table
+    an allocation, a fork or a free changed, and no table a fitting decode left alone."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    assert not kv.decode_fits("x", 0)  # no table yet
+    assert kv.allocate_slots("x", 6)
+    assert kv.take_changed() == {"x"}
+    assert kv.decode_fits("x", 6) and kv.decode_fits("x", 7)
+    assert not kv.decode_fits("x", 8)  # a third block is needed
+    assert kv.allocate_slots("x", 7, num_computed_tokens=6)  # fits: nothing changes
+    assert kv.take_changed() == set()
+    kv.fork("x", "y")  # y shares x's partial last block: neither may write it in place
+    assert kv.take_changed() == {"y"}
+    assert not kv.decode_fits("x", 6) and not kv.decode_fits("y", 6)
+    assert kv.allocate_slots("y", 7, num_computed_tokens=6)  # copy-on-write
+    assert kv.take_copies() and kv.take_changed() == {"y"}
+    assert kv.decode_fits("x", 6) and kv.decode_fits("y", 6)
+    assert kv.allocate_slots("x", 20, num_computed_tokens=6)  # blocks ahead of the token
+    assert kv.decode_fits("x", 8) and kv.decode_fits("x", 12)
+    kv.free("x")
+    assert kv.take_changed() == {"x"} and not kv.decode_fits("x", 6)
+    kv.free("x")  # already freed: nothing changed
+    assert kv.take_changed() == set()

@@ -17,7 +17,12 @@ from typing import Any
 import torch
 
 from kvrelay.config import ModelConfig
-from kvrelay.engine.graph_padding import StaticDecodeInputs, capture_sizes, replays
+from kvrelay.engine.graph_padding import (
+    StaticDecodeInputs,
+    capture_sizes,
+    padded_size,
+    replays,
+)
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay_kernels import cuda_backend
 from kvrelay_kernels.counters import COUNTERS
@@ -130,14 +135,32 @@ class DecodeGraphs:
         size = replays(attn.plan, num_tokens, self.sizes)
         return size if size in self._graphs else None
 
+    def decode_size(self, num_seqs: int) -> int | None:
+        """The captured size a pure decode step of `num_seqs` sequences replays, or None."""
+        size = padded_size(num_seqs, self.sizes)
+        return size if size in self._graphs else None
+
     def run(
         self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs
     ) -> torch.Tensor:
         """Replay the graph of `size` on this step's inputs; returns the hidden states of the
         step's own rows (a view of the graph's output, valid until the next replay)."""
-        self.static.load(
+        return self.replay(
             size, input_ids, positions, attn.slot_mapping, attn.seq_lens, attn.block_tables
         )
+
+    def replay(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """`run` from the decode inputs themselves (no plan: a pure decode step built from
+        the runner's persistent batch); `size` from `decode_size`."""
+        self.static.load(size, input_ids, positions, slot_mapping, seq_lens, block_tables)
         graph, hidden = self._graphs[size]
         graph.replay()
         COUNTERS.graph_replays += 1

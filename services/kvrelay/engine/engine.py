@@ -25,8 +25,9 @@ from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.prompt_logprobs import take_scores
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
 from kvrelay.engine.runner import CausalLMModel, ModelRunner, StepResult
-from kvrelay.engine.sampler import SampleLogprobs, Sampler, skip_seeded_draws
+from kvrelay.engine.sampler import Sampler, skip_seeded_draws
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.step_outputs import append_sampled
 from kvrelay.engine.warm_up import warm_up
 from kvrelay_kernels import jit_watch
 
@@ -307,13 +308,21 @@ class Engine:
         for request in result.failed:
             parent = self._fail(request, SAMPLING_FAILED)
             touched[parent.request_id] = parent
-        for request, token_id, logprobs in zip(*result[:3], strict=True):
-            if request.is_finished:  # failed, or another sample of its request failed above
-                continue
-            entry = None if logprobs is None else _logprobs_entry(token_id, logprobs)
-            parent = self._append_token(request, token_id, entry)
-            touched[parent.request_id] = parent
-        return [self._emit(parent) for parent in touched.values()]
+        # Requests failed above (or a sibling of theirs) are finished: skipped there.
+        sampled, appended = append_sampled(
+            *result[:3],
+            self._owner,
+            slow=self._append_token,
+            finish=self.scheduler.finish,
+            fast=self.role is not Role.PREFILL,  # a prefill engine leases each one's KV
+        )
+        self._generation_tokens += appended
+        touched.update(sampled)
+        outputs = [parent.output() for parent in touched.values()]
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+        return outputs
 
     def _release_compiled(self) -> None:
         """Requests whose grammar compiled since the last step go on (or fail alone)."""
@@ -324,9 +333,16 @@ class Engine:
             self._finished_outside_step[parent.request_id] = parent
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
-        tables = [self.kv_cache.block_table(c.request.request_id) for c in plan.chunks]
+        kv_cache, runner = self.kv_cache, self.runner
+        changed = kv_cache.take_changed()  # every step: the runner's tables stay exact
         try:
-            result = self.runner.execute(plan.chunks, tables, plan.copies)
+            if plan.decodes_only and runner.replays_decodes(len(plan.chunks)):
+                result = runner.execute_decodes(
+                    plan.chunks, kv_cache.block_table, changed, plan.copies
+                )
+            else:
+                tables = [kv_cache.block_table(c.request.request_id) for c in plan.chunks]
+                result = runner.execute(plan.chunks, tables, plan.copies)
         except Exception:
             # Free what this batch holds so a failure never leaks blocks, then let it surface.
             for chunk in plan.chunks:
@@ -369,13 +385,10 @@ class Engine:
                 parent.kv_handle = handle  # a decode engine goes on from here
         return parent
 
-    def _emit(self, parent: ParentRequest) -> RequestOutput:
-        output = parent.output()
-        if output.finished:
-            del self._parents[parent.request_id]
-            for child in parent.children:
-                self._owner.pop(child.request_id, None)
-        return output
+    def _forget(self, request_id: str) -> None:
+        """A request whose final output was returned: no longer this engine's."""
+        for child in self._parents.pop(request_id).children:
+            self._owner.pop(child.request_id, None)
 
     # -- the prefill -> decode hand-off (handoff.py) --
 
@@ -482,10 +495,3 @@ class Engine:
             False, and nothing changed, while any request holds blocks; True otherwise.
         """
         return self.kv_cache.reset_prefix_cache()
-
-
-def _logprobs_entry(token_id: int, logprobs: SampleLogprobs) -> dict[int, float]:
-    """A sampled token's logprobs entry: its top-k plus the token itself."""
-    entry = dict(logprobs.top)
-    entry[token_id] = logprobs.token_logprob
-    return entry

@@ -11,7 +11,7 @@ Every op of the forward pass is row-wise apart from attention, which reads only 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,9 @@ from kvrelay_kernels import AttentionPlan
 PAD_TOKEN = 0
 PAD_SLOT = -1  # write_kv skips it in every backend
 PAD_SEQ_LEN = 1
+_KEPT_VIEWS = 64  # views kept by `StaticDecodeInputs`; all dropped past this
+# Rows of input_ids, positions, slot_mapping and seq_lens (or none).
+_Rows = tuple[torch.Tensor, ...]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -56,6 +59,9 @@ class StaticDecodeInputs:
     seq_lens: torch.Tensor  # [max_size] int32
     query_start_loc: torch.Tensor  # [max_size + 1] int32: 0, 1, 2, ... (one token each)
     block_tables: torch.Tensor  # [max_size, max_blocks] int32
+    # Views `load` copies into, kept by rows and padded size (and table width): `_slices`.
+    _views: dict[tuple[int, int], tuple[_Rows, _Rows]] = field(default_factory=dict, repr=False)
+    _table_views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(cls, max_size: int, max_blocks: int, device: torch.device) -> StaticDecodeInputs:
@@ -86,16 +92,34 @@ class StaticDecodeInputs:
         copies and fills only: no sync). Table columns past the step's width keep older
         entries, which are never read: a row reads only its own context's blocks."""
         n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
-        if size > n:
-            self.input_ids[n:size].fill_(PAD_TOKEN)
-            self.positions[n:size].fill_(0)
-            self.slot_mapping[n:size].fill_(PAD_SLOT)
-            self.seq_lens[n:size].fill_(PAD_SEQ_LEN)
+        heads, tails = self._slices(n, size)
+        for head, values in zip(heads, (input_ids, positions, slot_mapping, seq_lens), strict=True):
+            head.copy_(values)
+        self._table_head(n, block_tables.shape[1]).copy_(block_tables)
+        for tail, pad in zip(tails, (PAD_TOKEN, 0, PAD_SLOT, PAD_SEQ_LEN), strict=False):
+            tail.fill_(pad)  # none when size == n
+
+    def _slices(self, n: int, size: int) -> tuple[_Rows, _Rows]:
+        """Rows `:n` and `n:size` (none when `size == n`) of input_ids, positions,
+        slot_mapping and seq_lens, made once per `(n, size)` (each slice is a device op,
+        ~5 us of host time on a GPU; a decode step's batch size rarely changes)."""
+        slices = self._views.get((n, size))
+        if slices is None:
+            if len(self._views) >= _KEPT_VIEWS:
+                self._views.clear()
+            buffers = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)
+            tails = tuple(b[n:size] for b in buffers) if size > n else ()
+            slices = self._views[(n, size)] = (tuple(b[:n] for b in buffers), tails)
+        return slices
+
+    def _table_head(self, n: int, width: int) -> torch.Tensor:
+        """`block_tables[:n, :width]`, made once per shape (a width lasts block_size steps)."""
+        head = self._table_views.get((n, width))
+        if head is None:
+            if len(self._table_views) >= _KEPT_VIEWS:
+                self._table_views.clear()
+            head = self._table_views[(n, width)] = self.block_tables[:n, :width]
+        return head
 
     def plan(
         self, size: int, max_model_len: int, partitions: int, workspace: torch.Tensor | None

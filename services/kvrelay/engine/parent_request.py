@@ -14,7 +14,7 @@ from kvrelay.common.detokenizer import IncrementalDetokenizer, Tokenizer
 from kvrelay.common.messages import KVHandle, PromptLogprob, samples_of
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
-from kvrelay.engine.request import Request
+from kvrelay.engine.request import FINISH_REASONS, Request, RequestStatus
 
 
 @dataclass
@@ -28,6 +28,18 @@ class ParentRequest:
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
     kv_handle: KVHandle | None = None  # set when a prefill engine hands the request off
     error: str | None = None  # set when the engine failed the request (RequestOutput.error)
+    # One sample without text, logprobs or prompt logprobs: `output` takes the short way.
+    _plain: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        params = self.children[0].sampling_params if self.children else None
+        self._plain = (
+            params is not None
+            and len(self.children) == 1
+            and self.detokenizers in ([], [None])
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
 
     @classmethod
     def fan_out(
@@ -88,6 +100,8 @@ class ParentRequest:
     def output(self) -> RequestOutput:
         """The cumulative output of every sample so far. Built for every running request
         every step, so it reads each sample's state once and makes nothing it can skip."""
+        if self._plain:
+            return self._plain_output()
         completions = [
             self._completion(index, child, self.detokenizers[index])
             for index, child in enumerate(self.children)
@@ -102,6 +116,38 @@ class ParentRequest:
             self.kv_handle,
             self.error,
             self._prompt_logprobs(),
+        )
+
+    def _plain_output(self) -> RequestOutput:
+        """`output` of one sample without text or logprobs: what most running requests of a
+        served batch are (every argument positional, the metrics built inline)."""
+        child = self.children[0]
+        status = child.status
+        metrics = {
+            "arrival_time": child.arrival_time,
+            "num_cached_tokens": float(child.num_cached_tokens),
+        }
+        if child.first_token_time is not None:
+            metrics["first_token_time"] = child.first_token_time
+        completion = CompletionOutput(
+            0,
+            "",
+            child.output_token_ids[:],
+            None,
+            None,
+            FINISH_REASONS.get(status),
+            child.stop_reason,
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [completion],
+            status > RequestStatus.PREEMPTED,
+            metrics,
+            self.kv_handle,
+            self.error,
+            None,
         )
 
     def _prompt_logprobs(self) -> list[PromptLogprob] | None:

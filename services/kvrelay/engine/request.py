@@ -42,10 +42,10 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI-style finish reason of a finished status, else None."""
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -121,6 +121,35 @@ class Request:
         scheduler sorts every running request by it every step, and none of its parts
         changes once the request exists."""
         return (self.priority, self.arrival_time, self.arrival_seq)
+
+    @functools.cached_property
+    def stop_watch(self) -> tuple[frozenset[int], int]:
+        """What `check_stop` can only answer non-None for: a last token in the first set (the
+        EOS ids unless ignore_eos, and stop_token_ids), or at least the second number of
+        output tokens (max_tokens, or the context length). The engine tests these two before
+        calling `check_stop`, so a step of 256 decodes makes no call for most of them. Kept:
+        the params, the EOS ids and the prompt never change once the request exists."""
+        params = self.sampling_params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        limit = self.max_total_tokens - len(self.prompt_token_ids)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
+        return frozenset((*eos, *params.stop_token_ids)), limit
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing applied before the argmax: no penalty, logit bias, logprobs
+        nor min_tokens (a grammar is the matcher's, checked apart: it comes and goes). The
+        runner samples a batch of only such requests without a row each (sampler.GreedyRows).
+        Kept: the params never change."""
+        p = self.sampling_params
+        return (
+            p.is_greedy
+            and not p.has_penalties
+            and not p.logit_bias
+            and p.logprobs is None
+            and p.min_tokens == 0
+        )
 
     def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:
         if self.first_token_time is None:

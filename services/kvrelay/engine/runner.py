@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -20,7 +21,7 @@ from kvrelay.engine.cuda_graphs import DecodeGraphs
 from kvrelay.engine.isolation import sample_isolating
 from kvrelay.engine.prompt_logprobs import PromptScores, score_prompts, scored_rows
 from kvrelay.engine.request import Request
-from kvrelay.engine.sampler import SampleLogprobs, Sampler, SamplingRow
+from kvrelay.engine.sampler import GreedyRows, SampleLogprobs, Sampler, SamplingRow
 from kvrelay.engine.scheduler import ScheduledChunk
 from kvrelay.engine.step_upload import StepUploader
 from kvrelay.models.inputs import AttentionInputs
@@ -28,6 +29,10 @@ from kvrelay_kernels import AttentionBackend
 from kvrelay_kernels.counters import COUNTERS
 
 logger = logging.getLogger(__name__)
+
+# ScheduledChunk's fields by position (a NamedTuple), and a request's id.
+_REQUEST, _START = operator.itemgetter(0), operator.itemgetter(1)
+_REQUEST_ID = operator.attrgetter("request_id")
 
 
 class CausalLMModel(Protocol):
@@ -274,18 +279,77 @@ class ModelRunner:
         requests = [r for c in sampled_chunks for r in (c.request, *c.forks)]
         if step.logits_rows is not None:
             logits = logits[step.logits_rows]
-        # Positional: one row per sampled request per step (SamplingRow's field order).
-        rows = [
-            SamplingRow(
-                r.sampling_params,
-                r.prompt_token_ids,
-                r.output_token_ids,
-                r.generator,
-                r.eos_token_ids,
-                r.matcher,
-            )
-            for r in requests
-        ]
+        return self._sample(logits, requests, scores)
+
+    def replays_decodes(self, num_seqs: int) -> bool:
+        """Whether a pure decode step of `num_seqs` sequences takes `execute_decodes`: on
+        an accelerator, with a captured graph that holds it."""
+        graphs = self.graphs
+        return (
+            self.uploader is not None
+            and graphs is not None
+            and graphs.decode_size(num_seqs) is not None
+        )
+
+    @torch.inference_mode()
+    def execute_decodes(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        table_of: Callable[[str], list[int]],
+        changed: Set[str],
+        copies: Sequence[tuple[int, int]] = (),
+    ) -> StepResult:
+        """`execute` of a pure decode step (every chunk one token that samples, no forks;
+        `replays_decodes` True): the inputs built with numpy from the persistent block table
+        (only the rows of requests in `changed` read from `table_of`), uploaded in one copy,
+        and a graph replayed; no plan, no per-request table, no logits gather."""
+        assert self.uploader is not None and self.graphs is not None, "see replays_decodes"
+        n = len(chunks)
+        size = self.graphs.decode_size(n)
+        assert size is not None, "see replays_decodes"
+        # Whole-batch passes in C where they can be (map over an item / attribute getter).
+        requests: list[Request] = list(map(_REQUEST, chunks))
+        # A decode's one token is its last (an output, or the prompt's when it has none).
+        tokens = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests]
+        step = self.uploader.upload_decodes(
+            list(map(_REQUEST_ID, requests)),
+            np.array(tokens, np.int64),
+            np.fromiter(map(_START, chunks), np.int64, n),
+            self.block_size,
+            changed,
+            table_of,
+        )
+        if copies:
+            self._copy_blocks(copies)
+        hidden = self.graphs.replay(size, *step)
+        return self._sample(self.model.compute_logits(hidden), requests, ())
+
+    def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """The copy-on-write copies, before the forward pass that may write into a source."""
+        src, dst = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*copies, strict=True))
+        self.model.backend.copy_blocks(
+            self.kv_cache,
+            src.to(self.device, non_blocking=True),
+            dst.to(self.device, non_blocking=True),
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], scores: Sequence[PromptScores]
+    ) -> StepResult:
+        """One token for each of `requests` from its row of `logits` [len(requests), V]."""
+        rows: Sequence[SamplingRow]
+        if all(r.plain_greedy and r.matcher is None for r in requests):
+            rows = GreedyRows(len(requests), lambda i: _sampling_row(requests[i]))
+        else:
+            rows = [_sampling_row(r) for r in requests]
         samples = sample_isolating(self.sampler, logits, rows, requests)
         failed = [requests[i] for i in samples.failed]
         return StepResult(requests, samples.token_ids, samples.logprobs, failed, scores)
+
+
+def _sampling_row(r: Request) -> SamplingRow:
+    # Positional: one row per sampled request per step (SamplingRow's field order).
+    return SamplingRow(
+        r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator,
+        r.eos_token_ids, r.matcher,
+    )  # fmt: skip

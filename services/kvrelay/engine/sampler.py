@@ -10,7 +10,7 @@ import importlib.util
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import torch
 
@@ -57,6 +57,33 @@ class SamplingRow(NamedTuple):
     matcher: Any = None
 
 
+class GreedyRows(Sequence[SamplingRow]):
+    """Rows that are all greedy with nothing to apply before the argmax: no grammar, penalty,
+    logit bias, logprobs nor min_tokens (`Request.plain_greedy`). The sampler takes their
+    argmax without reading a row, so a served batch of such requests builds no row per step;
+    a row is made only when one is read (a failed step's row-by-row retry, isolation.py)."""
+
+    def __init__(self, count: int, row: Callable[[int], SamplingRow]) -> None:
+        self._count = count
+        self._row = row
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> SamplingRow: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[SamplingRow]: ...
+
+    def __getitem__(self, index: int | slice) -> SamplingRow | list[SamplingRow]:
+        if isinstance(index, slice):
+            return [self._row(i) for i in range(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError(f"row {index} of {self._count}")
+        return self._row(index % self._count)
+
+
 @dataclass(frozen=True)
 class SampleLogprobs:
     token_logprob: float  # logprob of the sampled token
@@ -101,6 +128,8 @@ class Sampler:
         which advances by the number of non-greedy rows. Drawn before any row's arithmetic
         runs, so a caller can re-run `sample` on some rows after a failure without drawing
         again."""
+        if isinstance(rows, GreedyRows):
+            return torch.zeros(len(rows))  # [S]: no row draws
         u = torch.zeros(len(rows))  # [S]
         rand_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if rand_rows:
@@ -127,6 +156,8 @@ class Sampler:
         # follow in a fixed number of copies, never one per row).
         token_ids: list[int] = tokens.tolist()
         _check_token_ids(token_ids, logits.shape[1])
+        if isinstance(rows, GreedyRows):
+            return SamplerOutput(token_ids, [None] * len(rows))
         params = [r.params for r in rows]
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, params, tokens))
 
@@ -135,6 +166,8 @@ class Sampler:
     ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor | None]]:
         """`sample` up to its sync: the [S] int64 token ids and the raw logprobs of the rows
         that asked for them, all on the logits' device (nothing read back to the host)."""
+        if isinstance(rows, GreedyRows):
+            return argmax(logits.float()), ([], None)
         params = [r.params for r in rows]
         grammar_rows = [i for i, r in enumerate(rows) if r.matcher is not None]
         if grammar_rows:  # a masked copy; min_tokens is applied there for these rows
@@ -329,6 +362,8 @@ def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
     # NaN probabilities (non-finite logits) make the inverse-CDF draw return vocab_size: an id
     # that would break the next forward pass of every request in the batch, so refuse it here.
     # Checked on the host list, after the step's one sync, so it adds none.
+    if token_ids and min(token_ids) >= 0 and max(token_ids) < vocab_size:
+        return  # in C: a step of 256 rows makes no Python comparison per row
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"sampled token ids {bad} outside the vocabulary [0, {vocab_size})")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
@@ -23,11 +24,14 @@ from kvrelay.engine.request import Request, RequestStatus
 
 # Order of service (Request.scheduling_key), read in C by `sorted`.
 _SERVICE_ORDER = operator.attrgetter("scheduling_key")
+# A decode chunk's (num_tokens, samples, forks): one token that samples, joined by no fork.
+_DECODE = (1, True, ())
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens `start:start + num_tokens` of `request` (prompt + output), to compute this step."""
+class ScheduledChunk(NamedTuple):
+    """Tokens `start:start + num_tokens` of `request` (prompt + output), to compute this step.
+    (A NamedTuple: one is made per running request per step, and a frozen dataclass costs
+    three times as much to build.)"""
 
     request: Request
     start: int
@@ -59,6 +63,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Copy-on-write block copies (src, dst) to perform before the forward pass.
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # Every chunk one token that samples, none with forks: a pure decode step, which the
+    # runner builds from its persistent batch (input_batch.py). False when unsure.
+    decodes_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +90,12 @@ class Scheduler:
         self.num_preemptions = 0
         # Samples waiting for their leader's first token, by leader request id.
         self._forks: dict[str, list[Request]] = {}
+        # `running` as of the last step, and in service order (`_in_service_order`).
+        self._last_running: list[Request] = []
+        self._last_order: list[Request] = []
+        # Chunks of the current step scheduled as decodes, none with forks, before any other
+        # (a step of only those is a pure decode step: SchedulerOutput.decodes_only).
+        self._num_decodes = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -107,6 +120,9 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.copies = self.kv_cache.take_copies()
+        if out.preempted:  # victims' chunks were taken out: count again
+            self._num_decodes = sum(chunk[2:] == _DECODE for chunk in out.chunks)
+        out.decodes_only = 0 < len(out.chunks) == self._num_decodes
         return out
 
     def detach(self, request: Request) -> None:
@@ -160,19 +176,44 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return min(size, threshold) if threshold else size
 
+    def _in_service_order(self) -> list[Request]:
+        """`running` sorted by `Request.scheduling_key`; the last step's order when `running`
+        holds the same requests in the same order (a decode step's usual case: the list
+        comparison is by identity, in C)."""
+        if self.running != self._last_running:
+            self._last_running = self.running[:]
+            self._last_order = sorted(self.running, key=_SERVICE_ORDER)
+        return self._last_order
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first: a long prompt's next chunk must never delay the tokens of running
         # streams. Within each kind, older / higher-priority requests come first. One pass
         # in service order serves the decodes and sets the prefills aside for a second
         # (every running request passes here every step: a decode takes the short way).
         prefills: list[Request] = []
-        for request in sorted(self.running, key=_SERVICE_ORDER):
+        chunks, fits, forks = out.chunks, self.kv_cache.decode_fits, self._forks
+        self._num_decodes = 0
+        for request in self._in_service_order():
             if budget == 0:
                 return budget
-            if request.num_tokens - request.num_computed_tokens > 1:
+            start = request.num_computed_tokens
+            left = len(request.prompt_token_ids) + len(request.output_token_ids) - start
+            if left > 1:
                 prefills.append(request)
-            else:
+            elif (
+                left == 1
+                and request.status is RequestStatus.RUNNING
+                and not (forks and request.request_id in forks)
+                and fits(request.request_id, start)
+            ):  # the token lands in a block it owns alone: nothing to allocate
+                chunks.append(ScheduledChunk(request, start, 1, True))
+                self._num_decodes += 1
+                budget -= 1
+            else:  # a new block, a copy-on-write, forks, or a prefill chunk of one token
+                scheduled = len(chunks)
                 budget = self._schedule_one(request, out, budget)
+                if len(chunks) > scheduled and chunks[-1][2:] == _DECODE:
+                    self._num_decodes += 1
         for request in prefills:
             if budget == 0:
                 break
@@ -255,20 +296,23 @@ class Scheduler:
         """Record that the chunks' tokens are now in the KV cache, cache the blocks they
         filled, and let the forks of a leader that just sampled join `running`."""
         block_size = self.kv_cache.block_size
-        for chunk in chunks:
-            request = chunk.request
+        for request, _, num_tokens, _, forks in chunks:
             before = request.num_computed_tokens
-            request.num_computed_tokens = after = before + chunk.num_tokens
+            request.num_computed_tokens = after = before + num_tokens
             # Blocks fill only where a chunk crosses a block boundary (after each step the
             # cache holds every full block: nothing to catch up on in between).
             if after // block_size != before // block_size:
                 self.kv_cache.cache_full_blocks(request)
-            if chunk.forks:
-                del self._forks[request.request_id]
-                for fork in chunk.forks:
-                    self.kv_cache.fork(request.request_id, fork.request_id)
-                    fork.num_computed_tokens = request.num_computed_tokens
-                    fork.num_cached_tokens = request.num_cached_tokens
-                    fork.status = RequestStatus.RUNNING
-                    # May exceed max_num_seqs by n - 1: the leader was admitted for all n.
-                    self.running.append(fork)
+            if forks:
+                self._join_forks(request, forks)
+
+    def _join_forks(self, request: Request, forks: tuple[Request, ...]) -> None:
+        """`request`, the leader, sampled its first token: its forks share its blocks and run."""
+        del self._forks[request.request_id]
+        for fork in forks:
+            self.kv_cache.fork(request.request_id, fork.request_id)
+            fork.num_computed_tokens = request.num_computed_tokens
+            fork.num_cached_tokens = request.num_cached_tokens
+            fork.status = RequestStatus.RUNNING
+            # May exceed max_num_seqs by n - 1: the leader was admitted for all n.
+            self.running.append(fork)

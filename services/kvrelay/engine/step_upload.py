@@ -9,10 +9,12 @@ of those device tables, so no table goes up twice. Nothing here reads a device v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvrelay.engine.block_table import DeviceBlockTable
@@ -25,6 +27,16 @@ from kvrelay_kernels import AttentionPlan
 _PLAN_FIELDS = tuple(
     f.name for f in fields(AttentionPlan) if f.name not in ("decode_block_tables", "prefills")
 )
+
+
+class DecodeTensors(NamedTuple):
+    """A pure decode step's inputs on the device (one token per sequence), for a graph."""
+
+    input_ids: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    slot_mapping: torch.Tensor  # [n] int64
+    seq_lens: torch.Tensor  # [n] int32
+    block_tables: torch.Tensor  # [n, width] int32
 
 
 class StepUploader:
@@ -72,6 +84,32 @@ class StepUploader:
             plan, dict(zip(plan_tensors, staged[n + 6 :], strict=True)), block_tables, attn
         )
         return staged[:n], AttentionInputs(slots, block_tables, seq_lens, qsl, device_plan)
+
+    def upload_decodes(
+        self,
+        request_ids: Sequence[str],
+        tokens: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        block_size: int,
+        changed: Set[str],
+        table_of: Callable[[str], list[int]],
+    ) -> DecodeTensors:
+        """A pure decode step (`tokens[i]` at `positions[i]` of request `request_ids[i]`) on
+        the device in one copy, built with numpy from the persistent block table: only the
+        rows of requests in `changed` (kv_cache_manager's `take_changed`) or new to the
+        table are read from `table_of`. No host tensor and no plan: a graph replays it."""
+        update, width = self.table.update_changed(request_ids, changed, table_of)
+        rows = update.rows
+        column, offset = np.divmod(positions, block_size)
+        slots = self.table.blocks_at(rows, column).astype(np.int64) * block_size + offset
+        seq_lens = (positions + 1).astype(np.int32)
+        staged = self.stager.upload(
+            [tokens, positions, slots, rows, update.write_index, seq_lens, update.write_value]
+        )
+        input_ids, positions_dev, slots_dev, rows_dev, write_index, lens, write_value = staged
+        self.table.apply(write_index, write_value)
+        tables = self.table.gather(rows_dev, width)
+        return DecodeTensors(input_ids, positions_dev, slots_dev, lens, tables)
 
 
 def _device_plan(

@@ -54,6 +54,9 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}
         # Copy-on-write copies (src, dst) decided since the last `take_copies`, per request.
         self._copies: dict[str, list[tuple[int, int]]] = {}
+        # Requests whose table changed (grown, a block replaced, created, freed) since the
+        # last `take_changed`: the runner's persistent batch rewrites only their rows.
+        self._changed: set[str] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,6 +137,7 @@ class KVCacheManager:
         if request_id not in self._tables:
             self._tables[request_id] = table
             self._num_cached[request_id] = len(cached_blocks)
+        self._changed.add(request_id)
         pool.touch(cached_blocks)
         table.extend(cached_blocks)
         new_blocks = pool.allocate(need)
@@ -146,6 +150,18 @@ class KVCacheManager:
             self._copies.setdefault(request_id, []).append((src, dst))
         table.extend(new_blocks)
         return True
+
+    def decode_fits(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether the request's next token (at `num_computed_tokens`) fits its table with
+        no allocation and no copy: `allocate_slots` for it would return True and change
+        nothing. The scheduler asks this of every running decode every step."""
+        table = self._tables.get(request_id)
+        if not table:
+            return False
+        first = num_computed_tokens // self.block_size
+        if first == len(table) - 1:  # the usual case: the token lands in the last block
+            return self.pool.ref_count(table[first]) == 1
+        return self._fits_unshared(table, num_computed_tokens + 1, num_computed_tokens)
 
     def _fits_unshared(self, table: list[int], num_total: int, num_computed: int) -> bool:
         """Whether the table already holds `num_total` tokens and every block written from
@@ -177,6 +193,7 @@ class KVCacheManager:
         self.pool.share(table)
         self._tables[child_id] = table
         self._num_cached[child_id] = self._num_cached[parent_id]
+        self._changed.add(child_id)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies decided since the last call; the runner performs them
@@ -185,10 +202,18 @@ class KVCacheManager:
         self._copies.clear()
         return copies
 
+    def take_changed(self) -> set[str]:
+        """The requests whose table changed since the last call (each table's blocks may have
+        grown, been replaced by a copy-on-write block, been created or freed)."""
+        changed, self._changed = self._changed, set()
+        return changed
+
     def free(self, request_id: str) -> None:
         """Release every block of the request (a no-op if it holds none). Full blocks stay
         cached until their memory is needed."""
         table = self._tables.pop(request_id, None)
+        if table is not None:
+            self._changed.add(request_id)
         self._num_cached.pop(request_id, None)
         # A copy into a block just released must not run: the block may be reused this step.
         self._copies.pop(request_id, None)
