@@ -74,6 +74,11 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def keys_read(context: int, sliding_window: int | None) -> int:
+    """Keys the kernel reads for a decode of `context` tokens: the window's only."""
+    return min(context, sliding_window or context)
+
+
 def median_us(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm-up (and the kernel's build on its first call)
     times = []
@@ -113,8 +118,14 @@ def measure(args: argparse.Namespace, seqs: int, context: int, dtype: torch.dtyp
     ref = median_us(sweep(reference.paged_attention), args.repeats) / args.layers
     one_layer = functools.partial(cpu_backend.paged_attention, query, kv_cache, 0, tables)
     cached = median_us(lambda: one_layer(lens, qsl, scale, plan=plan, **variant), args.repeats)
-    keys = min(context, args.sliding_window or context)  # the kernel reads the window only
-    kv_bytes = seqs * keys * 2 * args.kv_heads * args.head_dim * kv_cache.element_size()
+    kv_bytes = (
+        seqs
+        * keys_read(context, args.sliding_window)
+        * 2
+        * args.kv_heads
+        * args.head_dim
+        * kv_cache.element_size()
+    )
     name = str(dtype).removeprefix("torch.")
     return (
         f"| {seqs} x {context} | {name} | {kernel:.0f} | {ref:.0f} | {ref / kernel:.2f}x "
