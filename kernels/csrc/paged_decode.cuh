@@ -17,8 +17,8 @@
 //   * Long contexts are split into partitions (split-K) written to an fp32 workspace and
 //     merged by `paged_decode_reduce_kernel`, so a small batch still fills the GPU.
 //   * A sliding window moves the first key read (`first_key`): partitions start there, so a
-//     windowed layer reads and splits its window only. A soft cap is a template switch
-//     (kSoftCap): plain attention compiles to the kernel it was.
+//     windowed layer reads and splits its window only. A soft cap (`soft_cap`) is a template
+//     switch (kSoftCap): plain attention compiles to the kernel it was.
 #pragma once
 
 #include <cfloat>
@@ -42,6 +42,14 @@ __host__ __device__ constexpr int clamp_int(int x, int lo, int hi) {
 // The first key a decode of `context` tokens reads: its last `window` (0: every key).
 __device__ __forceinline__ int first_key(int context, int window) {
   return window > 0 && context > window ? context - window : 0;
+}
+
+// cap2 * tanh(s / cap2), tanh by exp2: --use_fast_math turns tanhf into tanh.approx.f32
+// (relative error ~2^-11, beyond an fp32 cache's tolerance) where ex2.approx keeps ~2^-22. It
+// saturates to +-cap2 through inf and 0, no NaN.
+__device__ __forceinline__ float soft_cap(float s, float cap2, float inv_cap2) {
+  const float e = exp2f(s * inv_cap2 * (2.f * 1.4426950408889634f));
+  return cap2 * (1.f - 2.f / (e + 1.f));
 }
 
 template <typename T, int kHeadDim>
@@ -189,7 +197,7 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(const PagedDecodePara
             }
           }
           dot = group_sum<Cfg::kQkLanes>(dot);
-          if (kSoftCap) dot = cap2 * tanhf(dot * inv_cap2);
+          if (kSoftCap) dot = soft_cap(dot, cap2, inv_cap2);
           if (sub == 0) s_smem[g][t] = tile_start + t < end ? dot : -INFINITY;
         }
       }
