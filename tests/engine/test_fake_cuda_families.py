@@ -1,7 +1,8 @@
 """The new families' CUDA code paths on a CPU-only machine (tests/fake_cuda/family_scenarios.py,
 run once in a process of its own): Qwen3's q/k norms on the `cuda` backend with graphs and
-eagerly, never through the fused rope+KV-write launch; Gemma 3's windows on the auto backend
-(run or refused by its capability) and on the `torch` backend on the device. Every step runs
+eagerly, never through the fused rope+KV-write launch; Gemma 2's and Gemma 3's windows and
+caps on the auto backend (run or refused by its capability), Gemma 3 on the `torch` backend
+on the device. Every step runs
 under issue 14's rules (no device read but the sampled ids, no blocking copy)."""
 
 from __future__ import annotations
@@ -70,16 +71,22 @@ def test_qwen3_norms_q_and_k_before_rope_on_the_cuda_backend(
     assert {"rms_norm", "write_kv", "decode", "triton"} <= launched
 
 
-def test_gemma3_on_the_auto_cuda_backend_runs_or_is_refused_by_capability(
-    report: dict[str, Any],
+@pytest.mark.parametrize("name", ["gemma2_auto", "gemma3_auto"])
+def test_gemma_on_the_auto_cuda_backend_runs_or_is_refused_by_capability(
+    report: dict[str, Any], name: str
 ) -> None:
-    part = report["gemma3_auto"]
+    part = report[name]
     if "result" in part and not part["result"]["claims_window"]:
         assert "sliding-window" in part["result"]["refused"]
         assert "'torch'" in part["result"]["refused"]  # what to use instead
         return
-    result = finished_run(report, "gemma3_auto")
-    assert result["backend"] == "cuda" and "refused" not in result
+    result = finished_run(report, name)
+    assert result["backend"] == "cuda" and result["graphs"] and "refused" not in result
+    launched = kernels_run(result)
+    assert {"decode", "triton"} <= launched
+    # Gemma 2 has no q/k norms: its q/k take the fused rope+KV-write launch; Gemma 3's
+    # norms keep them off it.
+    assert ("rope_and_write_kv" in launched) is (name == "gemma2_auto")
 
 
 def test_gemma3_runs_on_the_device_through_the_torch_backend(report: dict[str, Any]) -> None:

@@ -2,10 +2,11 @@
 `python -m tests.fake_cuda.family_scenarios OUT.json` (tests/engine/test_fake_cuda_families.py).
 
 Qwen3 on the `cuda` backend (decode kernel, Triton split of mixed steps, CUDA graphs) with its
-q/k norms, which must keep the fused rope+KV-write launch away (it rotates raw q/k); Gemma 3
-(sliding windows, local RoPE, Gemma's norms) on the auto backend (`cuda`: run where it claims
-sliding windows, refused at load where it does not), and on the device through the `torch`
-backend. The rig and helpers are tests/fake_cuda/scenarios.py's.
+q/k norms, which must keep the fused rope+KV-write launch away (it rotates raw q/k); Gemma 2
+(alternating windows, soft caps) and Gemma 3 (windows, local RoPE, q/k norms) on the auto
+backend (`cuda`: run where it claims the variants, refused at load where it does not), and
+Gemma 3 on the device through the `torch` backend. The rig and helpers are
+tests/fake_cuda/scenarios.py's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "max_position_embeddings": 8192,
+}
+GEMMA2 = {
+    **SHAPE,
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 64,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
 }
 GEMMA3 = {
     **SHAPE,
@@ -79,12 +87,14 @@ def main(out: Path) -> None:
     kernels.install(monkeypatch)
     patch_loading(monkeypatch)
     folder = out.parent
-    qwen3, gemma3 = folder / "qwen3", folder / "gemma3"
+    qwen3, gemma2, gemma3 = folder / "qwen3", folder / "gemma2", folder / "gemma3"
     make_checkpoint(qwen3, "qwen3", SHAPE)
+    make_checkpoint(gemma2, "gemma2", GEMMA2)
     make_checkpoint(gemma3, "gemma3", GEMMA3)
     scenarios: dict[str, Callable[[], Any]] = {
         "qwen3_graphs": lambda: scenario_run(qwen3, mode),
         "qwen3_eager": lambda: scenario_run(qwen3, mode, enforce_eager=True),
+        "gemma2_auto": lambda: scenario_auto(gemma2, mode),
         "gemma3_auto": lambda: scenario_auto(gemma3, mode),
         "gemma3_torch": lambda: scenario_run(gemma3, mode, attention_backend="torch"),
     }
