@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(128) paged_decode_kernel(const PagedDecodePara
   const int context = p.seq_lens[seq];
   const int start = first_key(context, p.sliding_window) + part * p.partition_size;
   if (start >= context) return;  // this sequence needs fewer partitions than the longest
-  const int end = min(context, start + p.partition_size);
+  // Not start + partition_size: unsplit, that is INT_MAX, and past a window's start it overflows.
+  const int end = start + min(p.partition_size, context - start);
   const int num_tiles = (end - start + kTile - 1) / kTile;
 
   // q, pre-multiplied by scale * log2(e) so the softmax can use exp2.

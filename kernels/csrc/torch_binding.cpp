@@ -84,8 +84,9 @@ void paged_decode_attention(torch::Tensor& out, const torch::Tensor& query,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "tables: rows contiguous");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
-  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX && soft_cap >= 0.0 &&
-                  soft_cap <= 3.0e38,
+  // A cap that rounds to 0 in fp32 would read as "none": refused with the negative ones.
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX && soft_cap <= 3.0e38 &&
+                  (soft_cap == 0.0 || static_cast<float>(soft_cap) > 0.f),
               "sliding_window (0: none) and soft_cap (0: none) must be >= 0 and finite");
   // The keys a decode reads: its window when shorter (what split-K has to cover).
   if (sliding_window > 0) max_seq_len = std::min(max_seq_len, sliding_window);
