@@ -92,9 +92,11 @@ def test_cuda_decode_variants_match_the_reference(
         cuda_backend.split_workspace_numel(5, query.shape[1], head_dim, parts),
         dtype=torch.float32, device=dev,
     )  # fmt: skip
-    # The kernel's own split-K choice, split-K for every sequence, and a CUDA graph's fixed
-    # partition count with its preallocated workspace.
-    for max_len, fixed, scratch in ((1537, 0, None), (100_000, 0, None), (1537, parts, workspace)):
+    # The kernel's own split-K choice, split-K for every sequence, a CUDA graph's fixed
+    # partition count with its preallocated workspace, and one partition (unsplit) whatever
+    # the window.
+    configs = ((1537, 0, None), (100_000, 0, None), (1537, parts, workspace), (1537, 1, None))
+    for max_len, fixed, scratch in configs:
         out = torch.full_like(query, float("nan"))
         cuda_backend.decode_attention(
             query, cache, 1, tables, lens, max_len, head_dim**-0.5, out=out,
