@@ -61,8 +61,11 @@ class Tally:
         return Row(PART, check, PASS if self.passed == self.total else FAIL, value, "all", note)
 
 
-def expected_output(batch: PagedBatch, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """The reference in fp32 on the CPU, on the same dtype-rounded inputs."""
+def expected_output(
+    batch: PagedBatch, dtype: torch.dtype, scale: float, **variant: Any
+) -> torch.Tensor:
+    """The reference in fp32 on the CPU, on the same dtype-rounded inputs; `variant`: the
+    attention variant's keywords (sliding_window, soft_cap), none for plain attention."""
     from kvrelay_kernels import reference
 
     return reference.paged_attention(
@@ -73,6 +76,7 @@ def expected_output(batch: PagedBatch, dtype: torch.dtype, scale: float) -> torc
         batch.seq_lens,
         batch.query_start_loc,
         scale,
+        **variant,
     )
 
 
@@ -164,9 +168,14 @@ def run_decode_cases(
 
 
 def run_mixed_cases(
-    ctx: Context, deadline: Deadline, call: AttentionCall, dtypes: list[torch.dtype]
+    ctx: Context,
+    deadline: Deadline,
+    call: AttentionCall,
+    dtypes: list[torch.dtype],
+    **variant: Any,
 ) -> Tally:
-    """Decode and prefill rows in one step (the engine's mixed steps), through `call`."""
+    """Decode and prefill rows in one step (the engine's mixed steps), through `call`;
+    `variant`: sliding_window / soft_cap passed to both `call` and the reference."""
     tally = Tally()
     shapes = [(3, 64)] if ctx.small else [(3, 64), (2, 128), (4, 128)]
     for seed, (dtype, (group, head_dim)) in enumerate((d, s) for d in dtypes for s in shapes):
@@ -181,8 +190,9 @@ def run_mixed_cases(
         )
         query, kv, tables, seq_lens, qsl = on_device(batch, dtype, ctx.device)
         out = torch.full_like(query, float("nan"))
-        call(query, kv, tables, seq_lens, qsl, max(lens), 0.1, out)
-        tally.check(out, expected_output(batch, dtype, 0.1), dtype, f"{dtype} g{group} seed {seed}")
+        call(query, kv, tables, seq_lens, qsl, max(lens), 0.1, out, **variant)
+        expected = expected_output(batch, dtype, 0.1, **variant)
+        tally.check(out, expected, dtype, f"{dtype} g{group} seed {seed} {variant or ''}")
     return tally
 
 
@@ -243,8 +253,11 @@ def _backend_call(name: str) -> AttentionCall:
         max_len: int,
         scale: float,
         out: torch.Tensor,
+        **variant: Any,
     ) -> torch.Tensor:
-        return backend.paged_attention(query, kv, LAYER, tables, lens, qsl, scale, out=out)
+        return backend.paged_attention(
+            query, kv, LAYER, tables, lens, qsl, scale, out=out, **variant
+        )
 
     return call
 
@@ -276,6 +289,7 @@ def _cuda_rows(
         mixed = run_mixed_cases(ctx, deadline, _backend_call("cuda"), dtypes)
         rows.append(mixed.row("cuda backend, mixed decode + prefill step"))
         rows.append(run_cache_ops(ctx, dtypes).row("CUDA write_kv (padded slot) + copy_blocks"))
+        rows.append(run_variant_cases(ctx, deadline, "cuda", dtypes))
     else:
         for check in ("CUDA decode kernel", "cuda backend, mixed step", "CUDA write_kv"):
             rows.append(Row(PART, check, SKIP, note=no_build))
@@ -285,9 +299,32 @@ def _cuda_rows(
         decode = run_decode_cases(ctx, deadline, triton, dtypes, False, block_sizes=(16,))
         rows.append(decode.row("Triton, decode (GQA, odd lens, strided)"))
         rows.append(run_mixed_cases(ctx, deadline, triton, dtypes).row("Triton, mixed step"))
+        rows.append(run_variant_cases(ctx, deadline, "triton", dtypes))
     else:
         rows.append(Row(PART, "Triton kernels", FAIL, note="triton is not importable"))
     return rows
+
+
+# (sliding_window, soft_cap): Mistral's / Gemma's windows, Gemma 2's window with its cap, a
+# cap alone, a window of one token, a window past every context (no cut).
+VARIANTS = ((1, None), (7, None), (100, 50.0), (None, 5.0), (4096, None))
+
+
+def run_variant_cases(
+    ctx: Context, deadline: Deadline, backend: str, dtypes: list[torch.dtype]
+) -> Row:
+    """Mixed steps under sliding windows and soft caps (issue 40's model families)."""
+    total = Tally()
+    for window, cap in VARIANTS:
+        tally = run_mixed_cases(
+            ctx, deadline, _backend_call(backend), dtypes, sliding_window=window, soft_cap=cap
+        )
+        total.passed += tally.passed
+        total.total += tally.total
+        total.worst = max(total.worst, tally.worst)
+        total.failures += tally.failures
+        total.stopped = total.stopped or tally.stopped
+    return total.row(f"{backend} backend, mixed step, sliding window / soft cap")
 
 
 def _cpu_rows(ctx: Context, deadline: Deadline, backends: list[str]) -> list[Row]:
@@ -300,5 +337,6 @@ def _cpu_rows(ctx: Context, deadline: Deadline, backends: list[str]) -> list[Row
     return [
         decode.row(f"{name} backend, decode (harness self-test)"),
         mixed.row(f"{name} backend, mixed step (harness self-test)"),
+        run_variant_cases(ctx, deadline, name, dtypes),
         Row(PART, "CUDA / Triton kernels", SKIP, note="no CUDA device"),
     ]

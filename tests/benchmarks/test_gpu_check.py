@@ -94,6 +94,8 @@ def test_the_dry_run_passes_without_ray_grpc_fastapi_or_nixl(
     by_check = {r[1]: r for r in rows}
     # The real checks ran on the CPU: kernels through the harness, greedy tokens, transfers.
     assert by_check["cpu backend, decode (harness self-test)"][2] == "PASS"
+    variants = by_check["cpu backend, mixed step, sliding window / soft cap"]
+    assert variants[2] == "PASS" and variants[3].startswith("5/5 cases"), variants
     for mode in ("graphs", "--enforce-eager"):
         row = by_check[f"135M fp32: greedy tokens == transformers, {mode}"]
         assert row[2:5] == ["PASS", "8/8 equal", "all equal"], row
