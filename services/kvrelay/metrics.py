@@ -75,6 +75,7 @@ class RouterMetrics:
         )
         for decision in DECISIONS:
             self.decisions.labels(decision)  # export zeros so rate() has a series from the start
+        self.tenants = TenantMetrics(r)
 
     def _add_counters(self) -> None:
         r = self.registry
@@ -228,3 +229,30 @@ def metric_names() -> set[str]:
     metrics.watch_pools(dict)
     metrics.watch_workers("model", list)
     return {family.name for family in metrics.registry.collect()}
+
+
+class TenantMetrics:
+    """Per tenant (router/tenant_limits.py), labelled with the tenant's configured name, never
+    its key; tenants not named in --tenant-limits are counted together as "default"."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            "kvrelay_tenant_requests",
+            "Requests per tenant: admitted, or refused by a per-tenant limit.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.limited = Counter(
+            "kvrelay_tenant_limited",
+            "Requests refused (429) per tenant and limit: requests_per_minute, "
+            "tokens_per_minute or max_concurrent_sequences.",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "kvrelay_tenant_tokens",
+            "Tokens per tenant as they happen: prompt (at admission) and generated.",
+            ["tenant", "kind"],
+            registry=r,
+        )

@@ -238,12 +238,16 @@ def test_n_is_bounded() -> None:
 
 
 def test_n_samples_must_fit_the_decode_pool() -> None:
+    """Each sample counts its prompt and max_tokens (issue 41: admission by cost)."""
     router = router_over(num_blocks=10)  # 160 tokens of KV
-    router.check_request(request(n=4, max_tokens=40))
-    error = refused(router.check_request, request(n=5, max_tokens=40))
+    router.check_request(request(n=4, max_tokens=36))  # 4 x (4 + 36) = 160
+    error = refused(router.check_request, request(n=4, max_tokens=37))
     assert error.param == "n"
     assert "160 tokens" in error.message
-    router.check_request(request(n=5, max_tokens=None))  # up to the context: the engine stops it
+    # No max_tokens: each sample may reach the context length (2048): refused, naming n...
+    error = refused(router.check_request, request(n=2, max_tokens=None))
+    assert error.param == "n" and "no max_tokens" in error.message
+    router.check_request(request(n=1, max_tokens=None))  # ...but one sample alone may run
 
 
 def test_a_context_overflow_names_the_field_the_client_sent() -> None:

@@ -21,7 +21,7 @@ from kvrelay.common.messages import EngineRequest, Role, samples_of
 from kvrelay.common.sampling_params import check_vocab
 from kvrelay.config import DEFAULT_MAX_N, RouterConfig
 from kvrelay.metrics import RouterMetrics
-from kvrelay.router.admission import AdmissionController, Ticket
+from kvrelay.router.admission import AdmissionController, Claim, Cost, Ticket
 from kvrelay.router.constraints import ConstraintChecker
 from kvrelay.router.prompt_encoder import PromptEncoder
 from kvrelay.router.relay import Relay, SampleRun
@@ -34,6 +34,7 @@ from kvrelay.router.request_errors import (
     UnavailableError,
 )
 from kvrelay.router.sample_state import SampleState
+from kvrelay.router.tenant_limits import TenantBook, TenantLimitError
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage
 from kvrelay.router.workers import WorkerRegistry
 
@@ -70,6 +71,8 @@ class Router:
         self.metrics = metrics
         self.draining = False
         self.max_n = max_n
+        # Tenants' limits and weights; the API server replaces it with --tenant-limits' file.
+        self.tenants = TenantBook(metrics=metrics.tenants)
         self.encoder = PromptEncoder(tokenizer, model.max_model_len)
         self.constraints = ConstraintChecker(tokenizer, self.encoder.call)
         # Added tokens included; once, not per request. None: served on token ids alone.
@@ -95,7 +98,9 @@ class Router:
         metrics.watch_workers(model.id, registry.loads)
         policy = policy or RoutingPolicy(config.routing_policy)
         relay = Relay(registry, policy, config, metrics)
-        admission = AdmissionController(config.max_in_flight, config.max_queued)
+        admission = AdmissionController(
+            config.max_in_flight, config.max_queued, kv_capacity=registry.decode_token_capacity
+        )
         return cls(registry, tokenizer, model, relay, admission, metrics, config.max_n)
 
     # -- requests --
@@ -148,19 +153,41 @@ class Router:
                 raise InvalidRequestError(str(exc), name) from None
 
     def _check_samples(self, request: GenerateRequest) -> None:
-        """n within bounds, and n samples of max_tokens within what the pools can hold: a
-        request the workers could never finish is refused now, not left to starve others."""
-        n, max_tokens, name = request.params.n, request.params.max_tokens, request.param("n")
+        """n within bounds, and the request's cost within what admission could ever run: a
+        request that could never fit is refused now, naming the field, never queued."""
+        n, name = request.params.n, request.param("n")
         if n > self.max_n:
             raise InvalidRequestError(f"{name} must be <= {self.max_n}, got {n}", name)
-        capacity = self.registry.decode_token_capacity()
-        if n > 1 and max_tokens is not None and capacity and n * max_tokens > capacity:
+        cost = self.cost(request)
+        why = self.admission.never_fits(cost)
+        if why == "sequences":
             raise InvalidRequestError(
-                f"{name}={n} samples of up to {max_tokens} tokens ({n * max_tokens}) is more "
-                f"than this server's KV cache holds ({capacity} tokens): lower {name} or "
-                f"{request.param('max_tokens')}",
+                f"{name}={n} is more sequences than this server runs at once "
+                f"({self.admission.max_in_flight}, --max-in-flight): lower {name}",
                 name,
             )
+        if why == "kv":
+            limit = request.param("max_tokens")
+            given = request.params.max_tokens
+            each = (
+                f"up to {given} tokens"
+                if given is not None
+                else "no max_tokens (the context length)"
+            )
+            raise InvalidRequestError(
+                f"{name}={n} samples of {each} may hold {cost.kv_tokens} tokens of KV, more than "
+                f"this server's KV cache holds ({self.registry.decode_token_capacity()} tokens): "
+                f"lower {name} or set/lower {limit}",
+                name,
+            )
+
+    def cost(self, request: GenerateRequest) -> Cost:
+        """What `request` holds while it runs: n sequences, each up to its prompt plus
+        max_tokens of KV (the context length when max_tokens is unset)."""
+        prompt, limit = len(request.prompt_token_ids), self.model.max_model_len
+        max_tokens = request.params.max_tokens
+        each = limit if max_tokens is None else min(limit, prompt + max_tokens)
+        return Cost(request.params.n, request.params.n * each)
 
     def admit(self, request: GenerateRequest) -> Ticket:
         """Check the request and reserve its place now: bad input, draining, no workers and
@@ -171,11 +198,24 @@ class Router:
             raise UnavailableError("the server is shutting down; retry on another replica")
         if not self.is_ready():
             raise UnavailableError("no worker is available to serve requests; retry shortly")
+        tenant, limits = request.tenant, self.tenants.limits(request.tenant)
+        most, n, name = limits.max_concurrent_sequences, request.params.n, request.param("n")
+        if most is not None and n > most:
+            raise InvalidRequestError(
+                f"{name}={n} is more sequences than this API key may run at once ({most}, "
+                f"its max_concurrent_sequences): lower {name}",
+                name,
+            )
         try:
-            ticket = self.admission.reserve()
-        except OverloadedError:
+            self.tenants.check(tenant)
+            claim = Claim(tenant, request.priority, limits.weight, limits.max_concurrent_sequences)
+            ticket = self.admission.reserve(self.cost(request), claim)
+        except OverloadedError as exc:
+            if isinstance(exc, TenantLimitError):
+                self.tenants.limited(exc)
             self.metrics.requests.labels(self.model.id, "rejected").inc()
             raise
+        self.tenants.record(tenant, len(request.prompt_token_ids))
         self.metrics.queued.inc()
         return ticket
 
@@ -202,6 +242,8 @@ class Router:
                     for choice in chunk.choices:
                         if choice.index == 0 and choice.finish_reason is not None:
                             outcome = choice.finish_reason  # stop | length | abort
+                    generated = sum(len(choice.token_ids) for choice in chunk.choices)
+                    self.tenants.count_tokens(request.tenant, generated)
                     yield chunk
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "abort"
@@ -274,7 +316,9 @@ class Router:
                 request.prompt_token_ids,
                 request.include_stop_str_in_output,
             )
-            worker_request = EngineRequest(rid, request.prompt_token_ids, worker_params)
+            worker_request = EngineRequest(
+                rid, request.prompt_token_ids, worker_params, priority=request.priority
+            )
             runs.append(SampleRun(worker_request, state, _no_emit))
         return runs
 
@@ -315,7 +359,7 @@ class Router:
 
     @property
     def num_active(self) -> int:
-        return self.admission.in_flight + self.admission.queued
+        return self.admission.requests_in_flight + self.admission.requests_queued
 
     def is_ready(self) -> bool:
         roles = self.registry.roles()

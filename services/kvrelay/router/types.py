@@ -31,6 +31,8 @@ class GenerateRequest:
     # The wire's name of a SamplingParams field where it differs (chat's "max_completion_tokens",
     # gRPC's "sampling.seed"), so every error names the field the client actually sent.
     field_names: Mapping[str, str] = field(default_factory=dict)
+    tenant: str = "default"  # who sent it (router/tenant_limits.py): its fair share and limits
+    priority: int = 0  # vLLM's: lower first among the tenant's waiting requests
 
     def param(self, name: str) -> str:
         return self.field_names.get(name, name)
