@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
@@ -126,3 +127,23 @@ def naming_the_flag(message: str, flags: Mapping[str, str]) -> str:
         if message.startswith((f"{field} ", f"{field}=")):
             return f"argument {flag}: {message.removeprefix(field).lstrip(' =')}"
     return message
+
+
+def tenant_limits_file(path: str) -> str:
+    """--tenant-limits: a file that parses now (the server would refuse it at start)."""
+    from kvrelay.router.tenant_limits import load_table
+
+    try:
+        load_table(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
+
+
+def header_name(text: str) -> str:
+    """An HTTP header name (RFC 9110 token), not one the server reads for itself."""
+    if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", text):
+        raise argparse.ArgumentTypeError(f"must be an HTTP header name, got {text!r}")
+    if text.lower() in ("authorization", "content-type", "content-length", "host"):
+        raise argparse.ArgumentTypeError(f"{text} is read by the server itself; name another")
+    return text

@@ -17,12 +17,14 @@ import threading
 from typing import Any
 
 from kvrelay.cli_flags import (
+    header_name,
     int_at_least,
     non_empty,
     port,
     readable_file,
     seconds,
     size,
+    tenant_limits_file,
 )
 from kvrelay.common.env import API_KEY
 from kvrelay.config import RouterConfig
@@ -80,7 +82,8 @@ def _add_router_args(parser: argparse.ArgumentParser) -> None:
     add("--served-model-name", type=non_empty, default=None, help="model id clients use "
         "(default: the Hugging Face id, or the model folder's name)")  # fmt: skip
     add("--max-in-flight", type=int_at_least(1), default=256,
-        help="requests running at once (default 256)")  # fmt: skip
+        help="sequences running at once: a request counts as its n (per prompt), and one "
+        "that could never fit is refused with a 400 naming n (default 256)")  # fmt: skip
     # Its dest is RouterConfig's name for it: the one place the flag's spelling is mapped.
     add("--migration-timeout", dest="migration_wait_s", type=seconds(zero=True), default=60.0,
         help="seconds "
@@ -92,8 +95,10 @@ def _add_router_args(parser: argparse.ArgumentParser) -> None:
         "--max-queued",
         type=int_at_least(0),
         default=512,
-        help="requests waiting beyond --max-in-flight; more get 429 (default 512)",
+        help="sequences waiting beyond --max-in-flight, served fairly across tenants; more "
+        "get 429 (default 512)",
     )
+    _add_tenant_args(group)
     add(
         "--routing-policy",
         choices=["score", "round_robin"],
@@ -106,6 +111,27 @@ def _add_router_args(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="prompts with at most this many tokens not cached at the decode worker run "
         "whole there, without a prefill worker (default 64)",
+    )
+
+
+def _add_tenant_args(group: Any) -> None:
+    add = group.add_argument
+    add(
+        "--tenant-limits",
+        type=tenant_limits_file,
+        default=None,
+        metavar="FILE",
+        help="tenants' API keys, weights and limits (requests/tokens per minute, concurrent "
+        "sequences), JSON or YAML; re-read when it changes; see docs/operations.md "
+        "'Tenants and limits' (default: one tenant, no limits)",
+    )
+    add(
+        "--tenant-header",
+        type=header_name,
+        default=None,
+        metavar="NAME",
+        help="request header naming the tenant (e.g. X-Tenant, set by a gateway) for fair "
+        "queueing and limits; without it (or the flag) the API key's tenant",
     )
 
 
@@ -314,6 +340,8 @@ def _server_config(ns: argparse.Namespace) -> Any:
         ssl_keyfile=ns.ssl_keyfile,
         ssl_ca_certs=ns.ssl_ca_certs,
         enable_docs=ns.enable_docs,
+        tenant_limits=ns.tenant_limits,
+        tenant_header=ns.tenant_header,
     )
 
 

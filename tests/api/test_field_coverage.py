@@ -169,6 +169,7 @@ IMPLEMENTED = {
     "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
     "min_tokens", "skip_special_tokens", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_json_object", "guided_decoding_backend", "prompt_logprobs",
+    "priority",
 }  # fmt: skip
 IMPLEMENTED_CHAT = {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                     "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
@@ -180,7 +181,6 @@ ACCEPTED_AT: dict[str, tuple[Any, Any]] = {
     "service_tier": ("auto", "flex"),
     "use_beam_search": (False, True),
     "length_penalty": (1.0, 0.8),
-    "priority": (0, 1),
     "max_repetition_pattern_size": (0, 4),
     "min_repetition_pattern_size": (0, 2),
     "repetition_min_count": (0, 3),

@@ -13,6 +13,7 @@ from kvrelay.router.prompts import (
 )
 from kvrelay.router.request_errors import InvalidRequestError
 from kvrelay.router.router import Router
+from kvrelay.router.tenant_limits import DEFAULT_TENANT
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, Usage, new_request_id
 from kvrelay.v1 import generation_pb2 as pb
 
@@ -53,9 +54,11 @@ _FIELD_NAMES = {
 MAX_LABEL_CHARS = 256
 
 
-async def to_request(message: Any, router: Router, timeout_s: float | None) -> GenerateRequest:
-    """A GenerateRequest message as the router's request: tokenized off the event loop and
-    checked by the same validator as the HTTP API (kvrelay.router.prompts)."""
+async def to_request(
+    message: Any, router: Router, timeout_s: float | None, tenant: str = DEFAULT_TENANT
+) -> GenerateRequest:
+    """A GenerateRequest message as the router's request (of `tenant`): tokenized off the
+    event loop and checked by the same validator as the HTTP API (kvrelay.router.prompts)."""
     names = dict(_FIELD_NAMES)
     text, ids = await _prompt(message, router, names)
     options = message.sampling
@@ -71,6 +74,7 @@ async def to_request(message: Any, router: Router, timeout_s: float | None) -> G
         names["structured_outputs"] = param
     if not options.HasField("max_tokens"):
         fields["max_tokens"] = 16  # the proto's documented default
+    priority = message.priority  # int32 on the wire: every value is in range
     label = message.request_id or None
     if label is not None and len(label) > MAX_LABEL_CHARS:
         message = f"request_id is longer than {MAX_LABEL_CHARS} characters"
@@ -85,6 +89,8 @@ async def to_request(message: Any, router: Router, timeout_s: float | None) -> G
         timeout_s,
         label=label,
         field_names=names,
+        tenant=tenant,
+        priority=priority,
     )
 
 

@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from kvrelay.api.auth import check_api_key
+from kvrelay.api.auth import request_tenant
 from kvrelay.api.grpc_convert import response_message, to_request
 from kvrelay.router.request_errors import InvalidRequestError, OverloadedError, RouterError
 from kvrelay.router.router import Router
@@ -34,9 +34,9 @@ class GenerationService:
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            self._authenticate(context)
+            tenant = self._tenant(context)
             request = _parse(pb.GenerateRequest, raw)
-            greq = await to_request(request, self.router, context.time_remaining())
+            greq = await to_request(request, self.router, context.time_remaining(), tenant)
             await self.router.check_output_constraint(greq)
             ticket = self.router.admit(greq)
             top_k = greq.params.logprobs or 0
@@ -67,9 +67,17 @@ class GenerationService:
         return pb.ListModelsResponse(models=[model])
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        self._tenant(context)
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """Authenticate (the operator's key or a tenant's) and name the caller's tenant."""
         metadata = dict(context.invocation_metadata() or ())
-        header = str(metadata.get("authorization", ""))
-        check_api_key(header, self.api_key, "authorization: Bearer KEY")
+        authorization = str(metadata.get("authorization", ""))
+        book = self.router.tenants
+        header = book.tenant_header
+        value = str(metadata[header]) if header is not None and header in metadata else None
+        how = "authorization: Bearer KEY"
+        return request_tenant(book, self.api_key, authorization, value, how)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         handlers: dict[str, Any] = {

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.api.admin import add_admin_routes
-from kvrelay.api.auth import check_api_key
+from kvrelay.api.auth import AuthenticationError, check_api_key, request_tenant
 from kvrelay.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kvrelay.api.disconnect import ClientGoneError, EventStreamResponse, until_disconnected
 from kvrelay.api.http_errors import add_error_handlers
@@ -47,18 +47,38 @@ def create_http_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     add_error_handlers(app)
     _add_probe_routes(app, router)
-    v1 = [Depends(_authenticator(api_key))]
+    v1 = [Depends(_authenticator(api_key, router))]
     _add_model_routes(app, router, v1)
     _add_generation_routes(app, router, v1)
-    add_admin_routes(app, router.registry, v1)  # the operator's drain API, same key
+    # The operator's drain API: --api-key only, never a tenant's key.
+    add_admin_routes(app, router.registry, [Depends(_operator(api_key, router))])
     add_tokenizer_routes(app, router, v1)  # /tokenize, /detokenize, /version, same key
     return app
 
 
-def _authenticator(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """The dependency that checks the `Authorization: Bearer KEY` header of /v1 routes."""
+def _authenticator(api_key: str | None, router: Router) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that checks the `Authorization: Bearer KEY` header of /v1 routes and
+    names the request's tenant (request.state.tenant)."""
 
     async def authenticate(request: Request) -> None:
+        book = router.tenants
+        header = request.headers.get(book.tenant_header) if book.tenant_header else None
+        authorization = request.headers.get("authorization", "")
+        how = "Authorization: Bearer KEY"
+        request.state.tenant = request_tenant(book, api_key, authorization, header, how)
+
+    return authenticate
+
+
+def _operator(api_key: str | None, router: Router) -> Callable[[Request], Awaitable[None]]:
+    """The admin routes' check: the operator's --api-key (a tenant's key is refused)."""
+
+    async def authenticate(request: Request) -> None:
+        if api_key is None and router.tenants.keys:
+            raise AuthenticationError(
+                "the admin API needs the operator's key: start the server with --api-key "
+                "(keys listed in --tenant-limits are tenants' keys)"
+            )
         header = request.headers.get("authorization", "")
         check_api_key(header, api_key, "Authorization: Bearer KEY")
 
@@ -110,7 +130,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         def make(
             ids: list[int], text: str | None, fields: dict[str, Any], names: dict[str, str]
         ) -> GenerateRequest:
-            return _request(body, ids, text, fields, body.max_tokens, names)
+            return _request(body, ids, text, fields, body.max_tokens, names, request)
 
         batch = await completion_batch(router, body, make)  # one request per prompt
         fmt = OpenAIFormatter(
@@ -133,7 +153,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         names = body.field_names
         fields = body.sampling_fields(body.output_limit, body.num_logprobs)
         tools.constrain(fields, names)
-        greq = _request(body, ids, text, fields, body.output_limit, names)
+        greq = _request(body, ids, text, fields, body.output_limit, names, request)
         fmt = OpenAIFormatter(
             greq.request_id,
             router.model.id,
@@ -152,6 +172,7 @@ def _request(
     fields: dict[str, Any],
     max_tokens: int | None,
     field_names: dict[str, str],
+    http: Request,
 ) -> GenerateRequest:
     params = sampling_params(fields, field_names)
     if max_tokens is None:  # OpenAI's meaning: up to the context length
@@ -164,6 +185,8 @@ def _request(
         text,
         body.include_stop_str_in_output,
         field_names=field_names,
+        tenant=http.state.tenant,
+        priority=body.priority,
     )
 
 

@@ -22,6 +22,7 @@ _Body = RequestBody  # every request model's base: undeclared fields are refused
 
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # gRPC's int32
 
 
 def token_biases(raw: dict[str, float] | None) -> dict[int, float] | None:
@@ -62,7 +63,6 @@ _ACCEPTED_VALUES: Accepted = {
     "service_tier": ("auto", "default"),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "priority": (0,),
     "max_repetition_pattern_size": (0,),
     "min_repetition_pattern_size": (0,),
     "repetition_min_count": (0,),
@@ -98,12 +98,21 @@ class _Sampling(StructuredFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top k
+    priority: int = 0  # vLLM's: lower first among the sender's waiting requests
+
+    def check_priority(self) -> None:
+        if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise InvalidRequestError(
+                f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {self.priority}",
+                "priority",
+            )
 
     def check_supported(self) -> None:
         """Refuse fields we cannot honour (InvalidRequestError naming the field)."""
         self.refuse_unknown()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options needs stream set to true", "stream_options")
+        self.check_priority()
         self.check_constraint()
 
     def sampling_fields(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:

@@ -257,10 +257,14 @@ async def completion_batch(
     """The batch of a /v1/completions body: each prompt encoded and made a request."""
     prompts = body.prompts()
     listed = len(prompts) != 1 or prompts[0] is not body.prompt
-    limit = router.admission.max_in_flight + router.admission.max_queued
-    if len(prompts) > limit:
-        message = f"send at most {limit} prompts per request (this server's admission bound)"
-        raise InvalidRequestError(message, "prompt")
+    limit = router.admission.max_in_flight  # sequences: every prompt's n of them count
+    if len(prompts) * body.n > limit:
+        message = (
+            f"{len(prompts)} prompts of n={body.n} is {len(prompts) * body.n} sequences, more "
+            f"than this server runs at once ({limit}, --max-in-flight): send fewer prompts "
+            "per request or lower n"
+        )
+        raise InvalidRequestError(message, "n" if body.n > 1 else "prompt")
     fields = body.sampling_fields(body.max_tokens, body.logprobs)
     echo_logprobs = body.echo and body.logprobs is not None
     prompt_only = body.echo and body.max_tokens == 0

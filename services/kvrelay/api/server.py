@@ -20,6 +20,7 @@ from kvrelay.api.body_limit import DEFAULT_MAX_BODY_BYTES
 from kvrelay.api.grpc_service import NOT_SERVING, SERVICE_NAME, SERVING, add_services
 from kvrelay.api.http_app import create_http_app
 from kvrelay.router.router import Router
+from kvrelay.router.tenant_limits import TenantBook
 
 logger = logging.getLogger(__name__)
 READINESS_POLL_S = 0.1
@@ -40,6 +41,10 @@ class ServerConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
     enable_docs: bool = False  # /docs, /redoc, /openapi.json
+    # Tenants (router/tenant_limits.py): the limits file (JSON / YAML, re-read on change), and
+    # the header naming a request's tenant (default: its API key's tenant).
+    tenant_limits: str | None = None
+    tenant_header: str | None = None
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -103,6 +108,10 @@ class ApiServer:
         ]
         self._grpc = grpc.aio.server(options=options)
         self._grpc_credentials = grpc_server_credentials(config)
+        if config.tenant_limits is not None or config.tenant_header is not None:
+            router.tenants = TenantBook(
+                config.tenant_limits, router.metrics.tenants, config.tenant_header
+            )
         self._health: Any = add_services(self._grpc, router, config.api_key)
         app = create_http_app(
             router, config.api_key, config.max_body_bytes, enable_docs=config.enable_docs

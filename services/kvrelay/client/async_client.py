@@ -79,6 +79,7 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
         stream: Literal[False] = ...,
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> GenerateResult: ...
 
@@ -91,6 +92,7 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
         stream: Literal[True],
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> AsyncStream: ...
 
@@ -102,12 +104,18 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
         stream: bool = False,
         timeout: float | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         **sampling: Any,
     ) -> GenerateResult | AsyncStream:
         """As `Client.generate`; `stream=True` returns an `AsyncStream` once the first chunk
         has arrived (`async for chunk in await client.generate(..., stream=True)`)."""
         request = build_request(
-            prompt=prompt, model=model, stream=stream, request_id=request_id, sampling=sampling
+            prompt=prompt,
+            model=model,
+            stream=stream,
+            request_id=request_id,
+            priority=priority,
+            sampling=sampling,
         )
         return await self._generate(request, timeout)
 
@@ -120,6 +128,7 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
         stream: Literal[False] = ...,
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> GenerateResult: ...
 
@@ -132,6 +141,7 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
         stream: Literal[True],
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> AsyncStream: ...
 
@@ -143,11 +153,17 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
         stream: bool = False,
         timeout: float | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         **sampling: Any,
     ) -> GenerateResult | AsyncStream:
         """As `Client.chat`."""
         request = build_request(
-            messages=messages, model=model, stream=stream, request_id=request_id, sampling=sampling
+            messages=messages,
+            model=model,
+            stream=stream,
+            request_id=request_id,
+            priority=priority,
+            sampling=sampling,
         )
         return await self._generate(request, timeout)
 

@@ -224,11 +224,17 @@ def build_request(
     stream: bool,
     request_id: str | None,
     sampling: Mapping[str, Any],
+    priority: int = 0,
 ) -> pb.GenerateRequest:
-    """One `GenerateRequest` from exactly one of `prompt` (text or token ids) and `messages`."""
+    """One `GenerateRequest` from exactly one of `prompt` (text or token ids) and `messages`.
+    `priority`: vLLM's, lower first among this caller's waiting requests (an int32)."""
     options = sampling_options(sampling)  # first: a bad keyword is a TypeError, whatever else
     request = pb.GenerateRequest(
-        request_id=request_id or "", model=model or "", sampling=options, stream=stream
+        request_id=request_id or "",
+        model=model or "",
+        sampling=options,
+        stream=stream,
+        priority=_int("priority", priority, -(2**31), 2**31 - 1),
     )
     if (prompt is None) == (messages is None):
         raise TypeError("give exactly one of prompt and messages")

@@ -82,6 +82,7 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         stream: Literal[False] = ...,
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> GenerateResult: ...
 
@@ -94,6 +95,7 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         stream: Literal[True],
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> Stream: ...
 
@@ -105,6 +107,7 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         stream: bool = False,
         timeout: float | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         **sampling: Any,
     ) -> GenerateResult | Stream:
         """Generate from a text prompt or token ids.
@@ -112,9 +115,15 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         `sampling` takes SamplingParams' names (temperature, top_p, max_tokens, stop, ...);
         any other keyword raises TypeError. With `stream=True` returns a `Stream` of
         `GenerateChunk`s once the first one has arrived; otherwise the whole `GenerateResult`.
+        `priority` (vLLM's): lower runs first among this caller's (tenant's) waiting requests.
         """
         request = build_request(
-            prompt=prompt, model=model, stream=stream, request_id=request_id, sampling=sampling
+            prompt=prompt,
+            model=model,
+            stream=stream,
+            request_id=request_id,
+            priority=priority,
+            sampling=sampling,
         )
         return self._generate(request, timeout)
 
@@ -127,6 +136,7 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         stream: Literal[False] = ...,
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> GenerateResult: ...
 
@@ -139,6 +149,7 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         stream: Literal[True],
         timeout: float | None = ...,
         request_id: str | None = ...,
+        priority: int = ...,
         **sampling: Any,
     ) -> Stream: ...
 
@@ -150,11 +161,17 @@ class Client(ClientBase[grpc.Channel], ClosingContext):
         stream: bool = False,
         timeout: float | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         **sampling: Any,
     ) -> GenerateResult | Stream:
         """Like `generate`, from chat messages rendered with the model's chat template."""
         request = build_request(
-            messages=messages, model=model, stream=stream, request_id=request_id, sampling=sampling
+            messages=messages,
+            model=model,
+            stream=stream,
+            request_id=request_id,
+            priority=priority,
+            sampling=sampling,
         )
         return self._generate(request, timeout)
 
