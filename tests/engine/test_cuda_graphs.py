@@ -5,6 +5,7 @@ padded rows never change the real rows' outputs or the cache (torch reference, C
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -138,6 +139,44 @@ def test_loading_a_step_makes_its_slices_once_per_shape() -> None:
         assert cpu.input_ids[:3].tolist() == [value, value, 0]
         assert cpu.slot_mapping[:3].tolist() == [value, value, PAD_SLOT]
         assert cpu.block_tables[:2].tolist() == [[value] * 2] * 2
+
+
+class _Graph:
+    """Stands in for a captured `torch.cuda.CUDAGraph`: counts its replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_a_replay_returns_the_graphs_rows_without_a_slice_per_step() -> None:
+    """`replay` (the decode path's, no plan) loads the static inputs and returns the graph's
+    output itself when the step fills its size, else the step's rows as one view kept per
+    shape; `decode_size` is the smallest captured size that holds the step."""
+    model = SimpleNamespace(config=load_model_config_135m())
+    graphs = DecodeGraphs(model, torch.zeros(4, 2, 4, 3, 64), 4, 8, 64)
+    assert graphs.sizes == [1, 2, 4]
+    outputs = {size: torch.randn(size, 6) for size in graphs.sizes}
+    graph = _Graph()
+    for size, hidden in outputs.items():
+        graphs._graphs[size] = (graph, hidden)  # type: ignore[assignment]
+        graphs._decode_calls[size] = 0
+    assert [graphs.decode_size(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+
+    def step(n: int) -> torch.Tensor:
+        ids = torch.arange(n) + 3
+        tables = torch.ones(n, 2, dtype=torch.int32)
+        lens = torch.full((n,), 5, dtype=torch.int32)
+        return graphs.replay(graphs.decode_size(n) or 0, ids, ids, ids, lens, tables)
+
+    assert step(4) is outputs[4] and step(2) is outputs[2]
+    three = step(3)
+    assert three.shape == (3, 6) and torch.equal(three, outputs[4][:3])
+    assert step(3) is three  # the same view again: no device op
+    assert graph.replays == 4
+    assert graphs.static.input_ids[:4].tolist() == [3, 4, 5, 0]  # row 3 padding
 
 
 class _Ops(TorchDispatchMode):

@@ -54,6 +54,20 @@ def test_greedy_rows_give_the_argmax_of_listed_rows_without_reading_one() -> Non
     assert sample_isolating(sampler, logits, lazy, requests).token_ids == got.token_ids
 
 
+def test_fp32_logits_go_to_the_argmax_as_they_are() -> None:
+    """The greedy argmax reads fp32 logits themselves (a `float()` would be one more device
+    op a step) and upcasts any other dtype first; either way the same tokens."""
+    sampler = Sampler()
+    logits = torch.randn(3, 20)
+    rows = GreedyRows(3, lambda i: _row(SamplingParams(temperature=0.0), []))
+    tokens, _ = sampler.sample_on_device(logits, rows, torch.zeros(3))
+    listed = [_row(SamplingParams(temperature=0.0), []) for _ in range(3)]
+    general, _ = sampler.sample_on_device(logits, listed, torch.zeros(3))
+    half, _ = sampler.sample_on_device(logits.bfloat16(), rows, torch.zeros(3))
+    assert tokens.tolist() == general.tolist() == logits.argmax(-1).tolist()
+    assert half.tolist() == logits.bfloat16().float().argmax(-1).tolist()
+
+
 @pytest.mark.parametrize(
     ("fields", "plain"),
     [

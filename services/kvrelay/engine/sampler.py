@@ -167,7 +167,7 @@ class Sampler:
         """`sample` up to its sync: the [S] int64 token ids and the raw logprobs of the rows
         that asked for them, all on the logits' device (nothing read back to the host)."""
         if isinstance(rows, GreedyRows):
-            return argmax(logits.float()), ([], None)
+            return argmax(_fp32(logits)), ([], None)
         params = [r.params for r in rows]
         grammar_rows = [i for i, r in enumerate(rows) if r.matcher is not None]
         if grammar_rows:  # a masked copy; min_tokens is applied there for these rows
@@ -183,7 +183,7 @@ class Sampler:
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         if not (min_rows or pen_rows or rand_rows or bias_rows):
             # The hot path: greedy, no penalty: nothing to copy or modify.
-            tokens = argmax(logits.float())
+            tokens = argmax(_fp32(logits))
         else:
             x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             # vLLM's order: the bias first, then the min_tokens mask and the penalties.
@@ -298,6 +298,11 @@ class Sampler:
             if r.generator is not None:
                 u[i] = _seeded_uniform(r.generator)
         return u
+
+
+def _fp32(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` as fp32: themselves when they are (`float()` would still be a device op)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def device_sampler(x: torch.Tensor) -> DeviceSampler | None:

@@ -4,7 +4,9 @@ The host builds the step as on the CPU (`build_batch_inputs`: plain tensors and 
 this moves it to the device with one copy (staging.py) and takes the block tables from the
 persistent device table (block_table.py) instead of uploading them. The plan's own block-id
 tensors (the decode tables and each prefill's ids, read by the torch reference) become views
-of those device tables, so no table goes up twice. Nothing here reads a device value.
+of those device tables, so no table goes up twice. A pure decode step that a CUDA graph
+replays needs no plan: `upload_decodes` builds its five inputs with numpy from the persistent
+table's host mirror. Nothing here reads a device value.
 """
 
 from __future__ import annotations
