@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Memory soak: steady mixed traffic against `kvrelay serve` for N minutes while the RSS of
 the serve (router) process and of every engine worker is sampled, to tell a leak from memory
-that levels off (issue 13).
+that levels off (issues 13 and 41).
 
 The traffic churns the prefill worker's KV blocks: prompts of varied length (most past
 --max-local-prefill-tokens, so they are relayed), some sharing a long prefix (prefix-cache
@@ -9,11 +9,14 @@ hits) and some not, streams and non-streams, chat and completions, n = 2 now and
 clients that hang up mid-stream. Workers are told apart by the router's log line
 `worker <engine_id> (<role>, pid <pid>, ...) joined`.
 
-Prints RSS over time per process (MiB), then per process the growth over the first and the
-last third of the run, the last third's slope (least squares, MiB/min) and a verdict:
-"levelled off" when that slope is at most --flat-mib-per-min, else "still growing".
+Prints RSS over time per process (MiB), then per process its RSS at the start, once warmed
+up (--warm-up-min) and at the end, the slope of the samples after the warm-up (least squares,
+MiB per hour) and a verdict: "flat" when that slope is at most --max-mib-per-hour (issue 41's
+target: 10), else "growing". With --probe the workers also write their memory probe
+(services/kvrelay/worker/memory_probe.py: glibc's heap, objects, per-request structures) and
+the report ends with what changed in each after the warm-up.
 
-    .venv/bin/python benchmarks/memory_soak.py --minutes 30 --concurrency 4
+    .venv/bin/python benchmarks/memory_soak.py --minutes 30 --concurrency 8 --probe /tmp/probe
     .venv/bin/python benchmarks/memory_soak.py --url http://127.0.0.1:8000 \\
         --server-log serve.log --minutes 5 --sample-s 10
 """
@@ -34,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from serving.probe_report import probe_report
 from serving.processes import WORKER_JOINED, listening_pid, process_tree, rss_mib
 from serving.servers import RunningServer, ServerSpec, free_port
 
@@ -177,29 +181,30 @@ def slope_per_min(points: list[tuple[float, float]]) -> float:
 
 @dataclass(frozen=True)
 class Growth:
-    first_third_mib: float
-    last_third_mib: float
-    last_slope_mib_per_min: float
+    """One process's RSS at the start, once warmed up and at the end (MiB), and the slope of
+    its samples after the warm-up (least squares, MiB per hour)."""
+
+    start_mib: float
+    warm_mib: float
+    end_mib: float
+    slope_mib_per_hour: float
     verdict: str
 
 
-def growth(samples: list[Sample], label: str, flat_mib_per_min: float) -> Growth:
-    """Growth of `label`'s RSS over the first and the last third of the run, and the verdict."""
+def growth(samples: list[Sample], label: str, warm_up_s: float, max_mib_per_hour: float) -> Growth:
+    """`label`'s growth, and the verdict: "flat" when the slope of the samples from
+    `warm_up_s` on is at most `max_mib_per_hour`, "growing" above it, "too short to tell"
+    with fewer than 3 samples after the warm-up."""
     points = [(s.elapsed_s, s.rss_mib[label]) for s in samples if label in s.rss_mib]
-    if len(points) < 2:
-        return Growth(float("nan"), float("nan"), float("nan"), "too few samples")
-    start, end = points[0][0], points[-1][0]
-    cut1, cut2 = start + (end - start) / 3, start + 2 * (end - start) / 3
-    first = [p for p in points if p[0] <= cut1 + 1e-6]
-    last = [p for p in points if p[0] >= cut2 - 1e-6]
-    slope = slope_per_min(last)
-    if len(last) < 3:
-        verdict = "too short to tell"
-    elif slope <= flat_mib_per_min:
-        verdict = "levelled off"
-    else:
-        verdict = "still growing"
-    return Growth(first[-1][1] - first[0][1], last[-1][1] - last[0][1], slope, verdict)
+    nan = float("nan")
+    if not points:
+        return Growth(nan, nan, nan, nan, "no samples")
+    warm = [p for p in points if p[0] >= warm_up_s - 1e-6]
+    if len(warm) < 3:
+        return Growth(points[0][1], nan, points[-1][1], nan, "too short to tell")
+    slope = slope_per_min(warm) * 60
+    verdict = "flat" if slope <= max_mib_per_hour else "growing"
+    return Growth(points[0][1], warm[0][1], points[-1][1], slope, verdict)
 
 
 def format_report(samples: list[Sample], counts: Counts, args: argparse.Namespace) -> str:
@@ -221,17 +226,18 @@ def format_report(samples: list[Sample], counts: Counts, args: argparse.Namespac
         lines.append(f"{s.elapsed_s / 60:>6.1f}{s.requests:>10}{cells}")
     lines += [
         "{:-^80}".format(" growth (MiB) "),
-        f"{'process':<{width}}{'first third':>12}{'last third':>12}{'last MiB/min':>14}  verdict",
+        f"{'process':<{width}}{'start':>9}{'warm':>9}{'end':>9}{'MiB/hour':>10}  verdict",
     ]
     for label in labels:
-        g = growth(samples, label, args.flat_mib_per_min)
+        g = growth(samples, label, args.warm_up_min * 60, args.max_mib_per_hour)
         lines.append(
-            f"{label:<{width}}{g.first_third_mib:>12.1f}{g.last_third_mib:>12.1f}"
-            f"{g.last_slope_mib_per_min:>14.2f}  {g.verdict}"
+            f"{label:<{width}}{g.start_mib:>9.1f}{g.warm_mib:>9.1f}{g.end_mib:>9.1f}"
+            f"{g.slope_mib_per_hour:>10.1f}  {g.verdict}"
         )
     lines += [
-        f"rule: levelled off when the least-squares slope of the last third's samples is "
-        f"<= {args.flat_mib_per_min:g} MiB/min (needs >= 3 samples there)",
+        f"rule: flat when the least-squares slope of the samples from minute "
+        f"{args.warm_up_min:g} on (warm) is <= {args.max_mib_per_hour:g} MiB/hour "
+        f"(needs >= 3 samples there)",
         "=" * 80,
     ]
     return "\n".join(lines)
@@ -279,21 +285,27 @@ def progress(sample: Sample, total_s: float, counts: Counts) -> None:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Steady mixed traffic against kvrelay serve while the RSS of the serve "
-        "process and each engine worker is sampled; prints RSS over time and whether each "
-        "levelled off or is still growing.",
-    )
+def add_probe_args(parser: argparse.ArgumentParser) -> None:
+    """--probe and its options (worker/memory_probe.py)."""
     add = parser.add_argument
-    add("--minutes", type=float, default=30.0, help="duration of the traffic (default 30)")
-    add("--concurrency", type=int, default=4, help="client threads (default 4)")
-    add("--sample-s", type=float, default=30.0, help="seconds between RSS samples (default 30)")
     add(
-        "--flat-mib-per-min",
+        "--probe",
+        type=Path,
+        default=None,
+        help="a directory: the started server's workers write their memory probe there "
+        "(worker/memory_probe.py) and the report summarizes it (not with --url)",
+    )
+    add(
+        "--probe-s",
         type=float,
-        default=0.5,
-        help="the verdict's threshold on the last third's slope (default 0.5 MiB/min)",
+        default=30.0,
+        help="with --probe: seconds between a worker's probe lines (default 30)",
+    )
+    add(
+        "--probe-tracemalloc",
+        action="store_true",
+        help="with --probe: the workers also trace Python allocations (slower: not for the "
+        "RSS verdict, tracemalloc's own tables are in it)",
     )
     add("--url", default=None, help="a running server's HTTP URL (default: start one here)")
     add(
@@ -310,14 +322,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--seed", type=int, default=0, help="seed of the traffic (default 0)")
     add("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Steady mixed traffic against kvrelay serve while the RSS of the serve "
+        "process and each engine worker is sampled; prints RSS over time and each one's "
+        "slope after the warm-up in MiB per hour, with a verdict.",
+    )
+    add = parser.add_argument
+    add("--minutes", type=float, default=30.0, help="duration of the traffic (default 30)")
+    add("--concurrency", type=int, default=4, help="client threads (default 4)")
+    add("--sample-s", type=float, default=30.0, help="seconds between RSS samples (default 30)")
+    add(
+        "--warm-up-min",
+        type=float,
+        default=5.0,
+        help="minutes of warm-up left out of the slope (default 5)",
+    )
+    add(
+        "--max-mib-per-hour",
+        type=float,
+        default=10.0,
+        help="the verdict's threshold on the slope after warm-up (default 10 MiB/hour)",
+    )
+    add_probe_args(parser)
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.sample_s <= 0 or args.concurrency < 1:
         parser.error("--minutes and --sample-s must be > 0, --concurrency >= 1")
+    if args.warm_up_min < 0 or args.max_mib_per_hour < 0 or args.probe_s <= 0:
+        parser.error("--warm-up-min and --max-mib-per-hour must be >= 0, --probe-s > 0")
+    if args.probe is not None and args.url:
+        parser.error("--probe needs the server started here: leave out --url")
     return args
+
+
+def probe_env(args: argparse.Namespace) -> dict[str, str]:
+    """The started server's environment for --probe (its Ray workers inherit it)."""
+    if args.probe is None:
+        return {}
+    args.probe.mkdir(parents=True, exist_ok=True)
+    env = {
+        "KVRELAY_MEMORY_PROBE": str(args.probe.resolve()),
+        "KVRELAY_MEMORY_PROBE_S": str(args.probe_s),
+    }
+    if args.probe_tracemalloc:
+        env["KVRELAY_MEMORY_PROBE_TRACEMALLOC"] = "1"
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    roles: dict[int, str] = {}
     if args.url:
         port = httpx.URL(args.url).port
         root = listening_pid(port) if port else None
@@ -328,20 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         kvrelay = shutil.which("kvrelay") or str(Path(sys.executable).with_name("kvrelay"))
         http_port, grpc_port = free_port(), free_port()
-        command = [
-            kvrelay,
-            "serve",
-            "--http-port",
-            str(http_port),
-            "--grpc-port",
-            str(grpc_port),
-            *args.serve_arg,
-        ]
-        spec = ServerSpec("kvrelay", command, f"http://127.0.0.1:{http_port}", "/health")
+        command = [kvrelay, "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                   *args.serve_arg]  # fmt: skip
+        url = f"http://127.0.0.1:{http_port}"
+        spec = ServerSpec("kvrelay", command, url, "/health", env=probe_env(args))
         with tempfile.TemporaryDirectory() as logs, RunningServer(spec, Path(logs), 600) as srv:
             assert srv._process is not None
             samples, counts = soak(args, spec.base_url, srv._process.pid, srv.log_path)
+            roles = worker_roles(srv.log_path)
     print(format_report(samples, counts, args), flush=True)
+    if args.probe is not None:
+        print(probe_report(args.probe, roles, args.warm_up_min * 60), flush=True)
     return 0
 
 

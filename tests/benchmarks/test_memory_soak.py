@@ -28,21 +28,41 @@ def test_memory_soak_help() -> None:
         [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    for flag in ("--minutes", "--concurrency", "--sample-s", "--url", "--server-log"):
+    for flag in ("--minutes", "--concurrency", "--sample-s", "--url", "--server-log",
+                 "--warm-up-min", "--max-mib-per-hour", "--probe", "--probe-s"):  # fmt: skip
         assert flag in out.stdout
 
 
 def test_verdict_rule() -> None:
     soak = load_script()
-    linear = [soak.Sample(60.0 * i, i, {"p": 100.0 + 3 * i}) for i in range(10)]
-    grows = soak.growth(linear, "p", 0.5)
-    assert grows.verdict == "still growing"
-    assert grows.first_third_mib == pytest.approx(9.0) and grows.last_third_mib == 9.0
-    assert grows.last_slope_mib_per_min == pytest.approx(3.0)
-    # Fast growth at first, then flat: levelled off.
-    flat = [soak.Sample(60.0 * i, i, {"p": 100.0 + 10 * min(i, 3)}) for i in range(10)]
-    assert soak.growth(flat, "p", 0.5).verdict == "levelled off"
-    assert soak.growth(linear[:2], "p", 0.5).verdict == "too short to tell"
+    # 0.2 MiB a minute is 12 MiB an hour: over issue 41's 10.
+    linear = [soak.Sample(60.0 * i, i, {"p": 100.0 + 0.2 * i}) for i in range(30)]
+    grows = soak.growth(linear, "p", 300.0, 10.0)
+    assert grows.verdict == "growing"
+    assert (grows.start_mib, grows.warm_mib) == (100.0, pytest.approx(101.0))
+    assert grows.end_mib == pytest.approx(105.8)
+    assert grows.slope_mib_per_hour == pytest.approx(12.0)
+    # Fast growth during the warm-up, then flat: flat (the warm-up is left out).
+    warming = [soak.Sample(60.0 * i, i, {"p": 100.0 + 10 * min(i, 5)}) for i in range(30)]
+    flat = soak.growth(warming, "p", 300.0, 10.0)
+    assert flat.verdict == "flat" and flat.slope_mib_per_hour == pytest.approx(0.0)
+    # The same growth counted from the start would not pass.
+    assert soak.growth(warming, "p", 0.0, 10.0).verdict == "growing"
+    assert soak.growth(linear[:7], "p", 300.0, 10.0).verdict == "too short to tell"
+    assert soak.growth(linear, "q", 300.0, 10.0).verdict == "no samples"
+
+
+def test_bad_flags_are_refused_by_name() -> None:
+    for flags, name in (
+        (["--warm-up-min", "-1"], "--warm-up-min"),
+        (["--max-mib-per-hour", "-2"], "--max-mib-per-hour"),
+        (["--probe-s", "0"], "--probe-s"),
+        (["--probe", "/tmp/x", "--url", "http://127.0.0.1:1"], "--probe"),
+    ):
+        out = subprocess.run(
+            [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 2 and name in out.stderr, out.stderr
 
 
 def test_worker_roles_from_the_log(tmp_path: Path) -> None:
@@ -62,7 +82,7 @@ def test_memory_soak_smoke_run(kvrelay_server: ServerProcess) -> None:
     command = [
         sys.executable, str(SCRIPT), "--url", kvrelay_server.http_url,
         "--server-log", str(kvrelay_server.log_path), "--minutes", str(20 / 60),
-        "--sample-s", "4", "--concurrency", "2", "--no-progress",
+        "--sample-s", "4", "--concurrency", "2", "--no-progress", "--warm-up-min", "0",
     ]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, timeout=120)
     report = out.stdout
@@ -75,6 +95,6 @@ def test_memory_soak_smoke_run(kvrelay_server: ServerProcess) -> None:
     assert len(rows) >= 5, report  # a sample at 0 s, every 4 s, and at the end
     # minutes, requests, then serve, decode, prefill and Ray's other processes
     assert all(len(row.split()) == 6 for row in rows), report
-    verdicts = re.findall(r"(levelled off|still growing|too short to tell)$", report, re.M)
+    verdicts = re.findall(r"(flat|growing|too short to tell)$", report, re.M)
     assert len(verdicts) == 4, report  # serve, prefill, decode, Ray's other processes
     assert re.search(r"^requests: .*\bok [1-9]", report, re.M), report

@@ -39,6 +39,8 @@ from kvrelay.transfer.network import KVNetwork
 from kvrelay.worker.deltas import DeltaTracker, request_deltas
 from kvrelay.worker.engine_builder import build_worker_engine, freeze_start_up_objects
 from kvrelay.worker.engine_loop import EngineLoop
+from kvrelay.worker.heap_trim import HeapTrimmer, interval_from_env
+from kvrelay.worker.memory_probe import start_probe, structure_sizes
 from kvrelay.worker.output_channels import OutputChannels
 from kvrelay.worker.priority import raise_engine_priority
 
@@ -96,7 +98,10 @@ class EngineWorker:
             self.connector = _connect(
                 self.engine, self.role, transfer_backend, kv_secret, connector_options or {}
             )
-        self.loop = EngineLoop(self.engine, self.connector)
+        # Only a worker alone in its process trims its heap: elsewhere (tests, a caller's
+        # process) the heap is not the worker's to manage.
+        trimmer = HeapTrimmer(interval_from_env()) if own_process else None
+        self.loop = EngineLoop(self.engine, self.connector, heap_trimmer=trimmer)
         self.channels = OutputChannels(lambda request: request_deltas(self.loop, request))
         self.placement = Placement.from_env()
         # Set by a router's drain call; every router replica reads it when it polls status()
@@ -104,6 +109,18 @@ class EngineWorker:
         self.state = DrainState.SERVING
         if own_process:
             freeze_start_up_objects()
+        start_probe(lambda: self._probe_sizes())  # only with $KVRELAY_MEMORY_PROBE set
+
+    def _probe_sizes(self) -> dict[str, int]:
+        """The memory probe's view of this worker: its per-request structures' sizes and
+        the heap trims so far."""
+        sizes = structure_sizes(self)
+        trimmer = self.loop.heap_trimmer
+        if trimmer is not None:
+            sizes["heap trims"] = trimmer.stats.trims
+            sizes["heap trim released KiB"] = trimmer.stats.released_bytes >> 10
+            sizes["heap trim ms"] = round(trimmer.stats.seconds * 1000)
+        return sizes
 
     async def prefill(
         self, request: EngineRequest, decode_engine_id: str | None = None

@@ -20,6 +20,7 @@ from kvrelay.common.messages import EngineRequest, KVHandle, PullPlan, RequestFa
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.transfer.base import KVConnector, TransferError
+from kvrelay.worker.heap_trim import HeapTrimmer
 from kvrelay_kernels.cpu_threads import use_one_cpu_thread
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,12 @@ class EngineLoop:
         *,
         idle_wait_s: float = 0.2,
         pull_threads: int = 2,
+        heap_trimmer: HeapTrimmer | None = None,
     ) -> None:
+        """`heap_trimmer`: gives freed heap memory back when the engine goes idle
+        (worker/heap_trim.py); a worker that owns its process passes one."""
         self.engine = engine
+        self.heap_trimmer = heap_trimmer
         self.connector = connector
         self.idle_wait_s = idle_wait_s
         self._commands: queue.Queue[Command | None] = queue.Queue()
@@ -186,9 +191,13 @@ class EngineLoop:
                 break
             if self.engine.has_work():
                 idle_steps = 0 if self._step() else idle_steps + 1
+                if self.heap_trimmer is not None:
+                    self.heap_trimmer.worked()
             else:
                 idle_steps = 0
                 self.engine.expire_leases()
+                if self.heap_trimmer is not None:
+                    self.heap_trimmer.idle()  # nothing waits: a trim delays no step
         for stream in self._streams.values():
             stream.put(RuntimeError("the engine loop is shut down"))
         self._streams.clear()
