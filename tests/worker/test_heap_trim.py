@@ -18,6 +18,7 @@ from kvrelay.engine.args import EngineArgs
 from kvrelay.worker.actor import EngineWorker
 from kvrelay.worker.deltas import request_deltas
 from kvrelay.worker.heap_trim import (
+    BUSY_FACTOR,
     DEFAULT_INTERVAL_S,
     HEAP_TRIM_ENV,
     HeapTrimmer,
@@ -48,8 +49,9 @@ def counting_trimmer(interval_s: float) -> tuple[HeapTrimmer, list[int], FakeClo
 
 def test_trims_once_per_stretch_of_work_and_at_most_once_per_interval() -> None:
     trimmer, calls, clock = counting_trimmer(10.0)
+    clock.now += 10.0
     assert not trimmer.idle()  # no work yet: nothing to give back
-    trimmer.worked()
+    assert not trimmer.worked()  # busy, but not for long
     assert trimmer.idle() and calls == [0]  # malloc_trim(0): keep no pad at the top
     assert not trimmer.idle()  # idle on: no work since
     trimmer.worked()
@@ -58,6 +60,18 @@ def test_trims_once_per_stretch_of_work_and_at_most_once_per_interval() -> None:
     clock.now += 0.2
     assert trimmer.idle() and len(calls) == 2
     assert trimmer.stats.trims == 2
+
+
+def test_a_long_busy_stretch_trims_between_steps() -> None:
+    trimmer, calls, clock = counting_trimmer(10.0)
+    for _ in range(59):  # a step a second, never idle: no trim for the first minute
+        clock.now += 1.0
+        assert not trimmer.worked()
+    clock.now += 1.0
+    assert trimmer.worked() and calls == [0]  # BUSY_FACTOR (6) intervals without a trim
+    clock.now += 1.0
+    assert not trimmer.worked() and not trimmer.idle()  # the last trim was a second ago
+    assert BUSY_FACTOR == 6
 
 
 def test_interval_zero_never_trims() -> None:
@@ -88,8 +102,10 @@ def test_glibc_trim_gives_freed_heap_memory_back() -> None:
     keep = bytearray(512)
     del blocks
     before = rss_bytes()
-    trimmer = HeapTrimmer(1.0)
+    clock = FakeClock()
+    trimmer = HeapTrimmer(1.0, clock=clock)
     trimmer.worked()
+    clock.now += 1.0
     assert trimmer.idle()
     released = before - rss_bytes()
     assert released > 50 * 2**20, released
@@ -99,7 +115,8 @@ def test_glibc_trim_gives_freed_heap_memory_back() -> None:
 
 def test_a_worker_loop_trims_once_its_request_is_done(tiny_llama_dir: Path) -> None:
     worker = EngineWorker(EngineArgs(model=str(tiny_llama_dir), **TINY_ENGINE_KWARGS))
-    trimmer, calls, _ = counting_trimmer(0.001)  # any idle moment after work
+    trimmer, calls, clock = counting_trimmer(10.0)
+    clock.now += 20.0  # past the interval (an idle moment trims), short of a busy trim's 60 s
     worker.loop.heap_trimmer = trimmer
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
 

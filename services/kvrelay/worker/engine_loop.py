@@ -192,7 +192,7 @@ class EngineLoop:
             if self.engine.has_work():
                 idle_steps = 0 if self._step() else idle_steps + 1
                 if self.heap_trimmer is not None:
-                    self.heap_trimmer.worked()
+                    self.heap_trimmer.worked()  # trims only after a long busy stretch
             else:
                 idle_steps = 0
                 self.engine.expire_leases()

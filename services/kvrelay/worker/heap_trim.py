@@ -5,7 +5,10 @@ Why: a prefill worker's steps allocate activations whose sizes follow the prompt
 several threads (the loop's, the KV pulls', Ray's), so glibc's heaps fill with free holes it
 keeps (it returns only the top of the main heap, past M_TRIM_THRESHOLD). Its RSS then crept
 after warm-up although the memory in use did not grow (issue 41; the 2026-11-30 soak: a
-`malloc_trim(0)` gave back ~170 MiB). It must not run inside a step nor while requests wait.
+`malloc_trim(0)` gave back ~170 MiB). It never runs inside a step; between steps while
+requests wait only when the engine has not been idle for BUSY_FACTOR intervals (a prefill
+worker under steady load: 2 idle moments in 5 minutes of an 8-stream soak), costing one
+trim's ~10-20 ms once a minute.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 HEAP_TRIM_ENV = "KVRELAY_HEAP_TRIM_S"  # seconds between trims at most; "0" turns them off
 DEFAULT_INTERVAL_S = 10.0
+BUSY_FACTOR = 6  # with no idle moment for this many intervals, trim between two steps
 
 
 def _glibc_malloc_trim() -> Callable[[int], int] | None:
@@ -71,7 +75,8 @@ class TrimStats:
 
 class HeapTrimmer:
     """Call `worked()` after a step and `idle()` when the engine has nothing to run: `idle`
-    trims once per stretch of work, and never sooner than `interval_s` after the last trim."""
+    trims once per stretch of work, never sooner than `interval_s` after the last trim;
+    `worked` trims only when BUSY_FACTOR intervals passed since the last trim."""
 
     def __init__(
         self,
@@ -87,7 +92,7 @@ class HeapTrimmer:
         self._trim = trim if trim is not None else _glibc_malloc_trim()
         self._clock = clock
         self._rss = rss
-        self._last = float("-inf")
+        self._last = clock()
         self._dirty = False  # work happened since the last trim
         self.stats = TrimStats()
         if interval_s and self._trim is None:
@@ -97,16 +102,22 @@ class HeapTrimmer:
     def enabled(self) -> bool:
         return bool(self.interval_s) and self._trim is not None
 
-    def worked(self) -> None:
+    def worked(self) -> bool:
+        """After a step: trim if the engine has been busy BUSY_FACTOR intervals since the
+        last trim; whether it trimmed."""
         self._dirty = True
+        return self._trim_after(self.interval_s * BUSY_FACTOR)
 
     def idle(self) -> bool:
         """Trim now if there was work since the last trim and the interval has passed;
         whether it trimmed."""
-        if not (self._dirty and self.enabled):
+        return self._dirty and self._trim_after(self.interval_s)
+
+    def _trim_after(self, interval_s: float) -> bool:
+        if not self.enabled:
             return False
         now = self._clock()
-        if now - self._last < self.interval_s:
+        if now - self._last < interval_s:
             return False
         assert self._trim is not None  # enabled
         before = self._rss()
