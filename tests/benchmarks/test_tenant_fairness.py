@@ -46,6 +46,10 @@ def test_sse_events_stop_at_done() -> None:
 def test_the_tenants_file_is_one_the_server_accepts(tmp_path: Path) -> None:
     table = load_table(str(bench.tenants_file(tmp_path)))
     assert table.keys == {key: name for name, key in bench.KEYS.items()}
+    assert table.limits("burst").max_concurrent_sequences is None
+    limited = load_table(str(bench.tenants_file(tmp_path, burst_limit=8)))
+    assert limited.limits("burst").max_concurrent_sequences == 8
+    assert limited.limits("victim").max_concurrent_sequences is None
 
 
 def test_its_flags() -> None:
