@@ -146,14 +146,28 @@ class Sample:
     elapsed_s: float
     requests: int
     rss_mib: dict[str, float]  # process label -> RSS
+    ray_rss_mib: dict[str, float] = field(default_factory=dict)  # Ray's own, by `ray_label`
+
+
+def ray_label(name: str) -> str:
+    """A Ray process's label from its name in the tree (processes.py): the actor or agent
+    (`ray::DashboardAgent`, `ray::IDLE`), the script (`dashboard.py`) or the binary."""
+    words = name.split()
+    if not words:
+        return "ray ?"
+    if words[0].startswith("ray::"):
+        return words[0].split(".")[0]
+    script = next((w for w in words if w.endswith(".py")), None)
+    return f"ray {script or words[0]}"
 
 
 def take_sample(root: int, log_path: Path | None, started: float, counts: Counts) -> Sample:
-    """RSS of the serve process, each engine worker, and Ray's other processes summed."""
+    """RSS of the serve process, each engine worker, and Ray's other processes summed, and
+    those by `ray_label` (summed where several share one)."""
     roles = worker_roles(log_path)
     rss: dict[str, float] = {}
-    other = 0.0
-    for pid in process_tree(root):
+    ray: collections.Counter[str] = collections.Counter()
+    for pid, name in process_tree(root).items():
         value = rss_mib(pid)
         if value is None:
             continue
@@ -162,9 +176,9 @@ def take_sample(root: int, log_path: Path | None, started: float, counts: Counts
         elif pid in roles:
             rss[roles[pid]] = value
         else:
-            other += value
-    rss["ray other (sum)"] = other
-    return Sample(time.monotonic() - started, counts.total(), rss)
+            ray[ray_label(name)] += value
+    rss["ray other (sum)"] = sum(ray.values())
+    return Sample(time.monotonic() - started, counts.total(), rss, dict(ray))
 
 
 def slope_per_min(points: list[tuple[float, float]]) -> float:
@@ -224,17 +238,28 @@ def format_report(samples: list[Sample], counts: Counts, args: argparse.Namespac
             for label in labels
         )
         lines.append(f"{s.elapsed_s / 60:>6.1f}{s.requests:>10}{cells}")
-    lines += [
+    return "\n".join(lines + growth_lines(samples, labels, args))
+
+
+def growth_lines(samples: list[Sample], labels: list[str], args: argparse.Namespace) -> list[str]:
+    """The growth section: each process in `labels`, then Ray's own under their sum."""
+    ray_samples = [Sample(s.elapsed_s, s.requests, s.ray_rss_mib) for s in samples]
+    ray_labels = sorted({k for s in samples for k in s.ray_rss_mib})
+    rows = [(label, label, samples) for label in labels]
+    rows += [(f"  {label}", label, ray_samples) for label in ray_labels]
+    width = max(16, *(len(name) + 2 for name, _, _ in rows))
+    lines = [
         "{:-^80}".format(" growth (MiB) "),
         f"{'process':<{width}}{'start':>9}{'warm':>9}{'end':>9}{'MiB/hour':>10}  verdict",
     ]
-    for label in labels:
-        g = growth(samples, label, args.warm_up_min * 60, args.max_mib_per_hour)
+    for name, label, of in rows:
+        g = growth(of, label, args.warm_up_min * 60, args.max_mib_per_hour)
         lines.append(
-            f"{label:<{width}}{g.start_mib:>9.1f}{g.warm_mib:>9.1f}{g.end_mib:>9.1f}"
+            f"{name:<{width}}{g.start_mib:>9.1f}{g.warm_mib:>9.1f}{g.end_mib:>9.1f}"
             f"{g.slope_mib_per_hour:>10.1f}  {g.verdict}"
         )
-    lines += [
+    return [
+        *lines,
         f"rule: flat when the least-squares slope of the samples from minute "
         f"{args.warm_up_min:g} on (warm) is <= {args.max_mib_per_hour:g} MiB/hour "
         f"(needs >= 3 samples there)",

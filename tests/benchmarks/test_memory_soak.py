@@ -52,6 +52,28 @@ def test_verdict_rule() -> None:
     assert soak.growth(linear, "q", 300.0, 10.0).verdict == "no samples"
 
 
+def test_ray_processes_are_labelled_and_reported_each() -> None:
+    soak = load_script()
+    assert soak.ray_label("ray::EngineWorker.prefill") == "ray::EngineWorker"
+    assert soak.ray_label("ray::DashboardAgent") == "ray::DashboardAgent"
+    assert soak.ray_label("python -u log_monitor.py session_x") == "ray log_monitor.py"
+    assert soak.ray_label("python dashboard.py --host=127.0.0.1") == "ray dashboard.py"
+    assert soak.ray_label("gcs_server logs --config_list=e30") == "ray gcs_server"
+    assert soak.ray_label("") == "ray ?"
+    samples = [
+        soak.Sample(60.0 * i, i, {"serve": 400.0, "ray other (sum)": 150.0 + i},
+                    {"ray dashboard.py": 100.0 + i, "ray gcs_server": 50.0})
+        for i in range(12)
+    ]  # fmt: skip
+    args = soak.parse_args(["--warm-up-min", "5"])
+    report = soak.format_report(samples, soak.Counts(), args)
+    rows = {line.split()[-2] if "ray" not in line else line.strip().split("  ")[0]: line
+            for line in report.splitlines() if line.endswith(("flat", "growing"))}  # fmt: skip
+    assert rows["ray dashboard.py"].split()[-2:] == ["60.0", "growing"]  # 1 MiB a minute
+    assert rows["ray gcs_server"].split()[-2:] == ["0.0", "flat"]
+    assert report.index("ray other (sum)") < report.index("  ray dashboard.py")
+
+
 def test_bad_flags_are_refused_by_name() -> None:
     for flags, name in (
         (["--warm-up-min", "-1"], "--warm-up-min"),
@@ -95,6 +117,7 @@ def test_memory_soak_smoke_run(kvrelay_server: ServerProcess) -> None:
     assert len(rows) >= 5, report  # a sample at 0 s, every 4 s, and at the end
     # minutes, requests, then serve, decode, prefill and Ray's other processes
     assert all(len(row.split()) == 6 for row in rows), report
-    verdicts = re.findall(r"(flat|growing|too short to tell)$", report, re.M)
-    assert len(verdicts) == 4, report  # serve, prefill, decode, Ray's other processes
+    verdicts = re.findall(r"^(\S+)[^\n]*(flat|growing|too short to tell)$", report, re.M)
+    # serve, prefill, decode, Ray's other processes; then Ray's own, indented
+    assert [v[0] for v in verdicts][:4] == ["serve", "decode", "prefill", "ray"], report
     assert re.search(r"^requests: .*\bok [1-9]", report, re.M), report
