@@ -65,6 +65,10 @@ def spawn_worker(
     # leases died with it). Calls in flight fail at once (max_task_retries 0): the router
     # retries or migrates them, it does not wait for the restart.
     options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": -1}
+    # No Ray task events for the workers' calls: Ray's GCS keeps each call's events (~4 KiB;
+    # up to 100,000 calls by default), so with ~2 calls a request its RSS grew ~85 MiB/h in
+    # a soak (issue 41). Ray's state API and dashboard then list no worker calls.
+    options["enable_task_events"] = False
     device = str(engine_args.get("device", "auto"))
     cluster_gpus = ray.cluster_resources().get("GPU", 0) if device == "auto" else 0
     options["num_gpus"] = worker_num_gpus(device, cluster_gpus)
