@@ -151,10 +151,15 @@ class _Graph:
         self.replays += 1
 
 
-def test_a_replay_returns_the_graphs_rows_without_a_slice_per_step() -> None:
+def test_a_replay_returns_the_graphs_rows_without_a_slice_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`replay` (the decode path's, no plan) loads the static inputs and returns the graph's
     output itself when the step fills its size, else the step's rows as one view kept per
     shape; `decode_size` is the smallest captured size that holds the step."""
+    for name in ("graph_replays", "cuda_decode_calls"):  # process-wide: put back after
+        monkeypatch.setattr(COUNTERS, name, getattr(COUNTERS, name))
+    replays = COUNTERS.graph_replays
     model = SimpleNamespace(config=load_model_config_135m())
     graphs = DecodeGraphs(model, torch.zeros(4, 2, 4, 3, 64), 4, 8, 64)
     assert graphs.sizes == [1, 2, 4]
@@ -175,7 +180,7 @@ def test_a_replay_returns_the_graphs_rows_without_a_slice_per_step() -> None:
     three = step(3)
     assert three.shape == (3, 6) and torch.equal(three, outputs[4][:3])
     assert step(3) is three  # the same view again: no device op
-    assert graph.replays == 4
+    assert graph.replays == 4 and COUNTERS.graph_replays == replays + 4
     assert graphs.static.input_ids[:4].tolist() == [3, 4, 5, 0]  # row 3 padding
 
 

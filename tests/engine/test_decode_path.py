@@ -115,11 +115,16 @@ def test_the_decode_paths_inputs_equal_the_host_built_ones(make_engine: EngineFa
     graphs = _decode_path(engine)
     expected: list[Any] = []
     execute_decodes = engine.runner.execute_decodes
+    uploader = engine.runner.uploader
+    assert uploader is not None
 
     def checked(chunks: Any, table_of: Any, changed: Any, copies: Any = ()) -> Any:
         tables = [table_of(c.request.request_id) for c in chunks]
         expected.append(build_batch_inputs(chunks, tables, engine.runner.block_size))
-        return execute_decodes(chunks, table_of, changed, copies)
+        before = uploader.stager.uploads
+        result = execute_decodes(chunks, table_of, changed, copies)
+        assert uploader.stager.uploads == before + 1  # copy-on-write pairs in the same copy
+        return result
 
     engine.runner.execute_decodes = checked  # type: ignore[method-assign]
     _requests(engine)
@@ -155,3 +160,27 @@ def test_a_step_with_a_prefill_or_a_fork_takes_the_general_path(
     assert graphs.replays == 2
     run_to_completion(engine)
     assert_pool_whole(engine)
+
+
+def test_copy_on_write_pairs_go_up_with_a_decode_step(make_engine: EngineFactory) -> None:
+    """Two samples share their prompt's partial last block: the first decode step copies it
+    for one of them (copy-on-write) and is still a pure decode step, its pairs staged in the
+    step's one copy; the tokens equal the host path's."""
+    params = SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=6)
+    host = make_engine()
+    host.add_request("pair", [5] * 10, params)
+    expected = run_to_completion(host)
+    engine = make_engine()
+    graphs = _decode_path(engine)
+    seen: list[Any] = []
+    execute_decodes = engine.runner.execute_decodes
+
+    def recorded(chunks: Any, table_of: Any, changed: Any, copies: Any = ()) -> Any:
+        seen.extend(copies)
+        return execute_decodes(chunks, table_of, changed, copies)
+
+    engine.runner.execute_decodes = recorded  # type: ignore[method-assign]
+    engine.add_request("pair", [5] * 10, params)
+    assert run_to_completion(engine) == expected and len(expected["pair"]) == 2
+    assert_pool_whole(engine)
+    assert len(seen) == 1 and graphs.replays == 5

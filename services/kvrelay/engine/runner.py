@@ -311,27 +311,20 @@ class ModelRunner:
         requests: list[Request] = list(map(_REQUEST, chunks))
         # A decode's one token is its last (an output, or the prompt's when it has none).
         tokens = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests]
-        step = self.uploader.upload_decodes(
+        step, pairs = self.uploader.upload_decodes(
             list(map(_REQUEST_ID, requests)),
             np.array(tokens, np.int64),
             np.fromiter(map(_START, chunks), np.int64, n),
             self.block_size,
             changed,
             table_of,
+            copies,
         )
-        if copies:
-            self._copy_blocks(copies)
+        if pairs is not None:
+            # Before the forward pass: it may write into a copy's source (its last owner).
+            self.model.backend.copy_blocks(self.kv_cache, *pairs)
         hidden = self.graphs.replay(size, *step)
         return self._sample(self.model.compute_logits(hidden), requests, ())
-
-    def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """The copy-on-write copies, before the forward pass that may write into a source."""
-        src, dst = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*copies, strict=True))
-        self.model.backend.copy_blocks(
-            self.kv_cache,
-            src.to(self.device, non_blocking=True),
-            dst.to(self.device, non_blocking=True),
-        )
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], scores: Sequence[PromptScores]

@@ -64,7 +64,7 @@ class SchedulerOutput:
     # Copy-on-write block copies (src, dst) to perform before the forward pass.
     copies: list[tuple[int, int]] = field(default_factory=list)
     # Every chunk one token that samples, none with forks: a pure decode step, which the
-    # runner builds from its persistent batch (input_batch.py). False when unsure.
+    # runner builds from its persistent block table (runner.execute_decodes).
     decodes_only: bool = False
 
     @property
@@ -93,8 +93,8 @@ class Scheduler:
         # `running` as of the last step, and in service order (`_in_service_order`).
         self._last_running: list[Request] = []
         self._last_order: list[Request] = []
-        # Chunks of the current step scheduled as decodes, none with forks, before any other
-        # (a step of only those is a pure decode step: SchedulerOutput.decodes_only).
+        # Chunks of the current step that decode (one sampling token, no forks): a step of
+        # only those is a pure decode step (SchedulerOutput.decodes_only).
         self._num_decodes = 0
 
     @property

@@ -95,23 +95,33 @@ class StepUploader:
         block_size: int,
         changed: Set[str],
         table_of: Callable[[str], list[int]],
-    ) -> DecodeTensors:
+        copies: Sequence[tuple[int, int]] = (),
+    ) -> tuple[DecodeTensors, tuple[torch.Tensor, torch.Tensor] | None]:
         """A pure decode step (`tokens[i]` at `positions[i]` of request `request_ids[i]`) on
         the device in one copy, built with numpy from the persistent block table: only the
         rows of requests in `changed` (kv_cache_manager's `take_changed`) or new to the
-        table are read from `table_of`. No host tensor and no plan: a graph replays it."""
+        table are read from `table_of`. No host tensor and no plan: a graph replays it.
+
+        Returns:
+            The step's inputs, and the copy-on-write pairs' sources and destinations (int64,
+            on the device, in the same copy) or None without copies.
+        """
         update, width = self.table.update_changed(request_ids, changed, table_of)
         rows = update.rows
         column, offset = np.divmod(positions, block_size)
         slots = self.table.blocks_at(rows, column).astype(np.int64) * block_size + offset
         seq_lens = (positions + 1).astype(np.int32)
+        pairs = np.array(copies, np.int64).reshape(-1, 2).T  # [2, len(copies)]
         staged = self.stager.upload(
-            [tokens, positions, slots, rows, update.write_index, seq_lens, update.write_value]
-        )
-        input_ids, positions_dev, slots_dev, rows_dev, write_index, lens, write_value = staged
+            [tokens, positions, slots, rows, update.write_index, pairs[0], pairs[1],
+             seq_lens, update.write_value]
+        )  # fmt: skip
+        input_ids, positions_dev, slots_dev, rows_dev, write_index, src, dst = staged[:7]
+        lens, write_value = staged[7:]
         self.table.apply(write_index, write_value)
         tables = self.table.gather(rows_dev, width)
-        return DecodeTensors(input_ids, positions_dev, slots_dev, lens, tables)
+        step = DecodeTensors(input_ids, positions_dev, slots_dev, lens, tables)
+        return step, ((src, dst) if copies else None)
 
 
 def _device_plan(
