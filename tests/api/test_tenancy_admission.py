@@ -7,6 +7,7 @@ KV block is given back on every path (refusal, cancel while queued, client gone)
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import httpx
@@ -232,3 +233,26 @@ async def test_every_path_gives_back_its_place_and_blocks(
         await served.until(served.idle)
         await served.until_blocks_free()
     assert set(KEYS) == {"A", "B", "H"}
+
+
+def test_the_sdk_sends_priority_as_an_int32() -> None:
+    from kvrelay.client import Client
+    from kvrelay.client.convert import build_request
+
+    def build(priority: object) -> Any:
+        return build_request(
+            prompt=PROMPT,
+            model=None,
+            stream=False,
+            request_id=None,
+            sampling={"max_tokens": 2},
+            priority=priority,  # type: ignore[arg-type]
+        )
+
+    assert build(-4).priority == -4 and build(2**31 - 1).priority == 2**31 - 1
+    with pytest.raises(InvalidArgumentError, match="priority must be an int"):
+        build(True)
+    with pytest.raises(InvalidArgumentError, match=r"priority must be in \[-2147483648"):
+        build(-(2**31) - 1)
+    for method in (Client.generate, Client.chat, AsyncClient.generate, AsyncClient.chat):
+        assert inspect.signature(method).parameters["priority"].default == 0
