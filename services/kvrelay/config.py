@@ -448,8 +448,8 @@ class RouterConfig:
     # How long a sample whose worker died waits for a decode-capable worker to resume at
     # (a pool of one: until its replacement is up). The flag is --migration-timeout.
     migration_wait_s: float = 60.0
-    max_in_flight: int = 256  # requests running at once
-    max_queued: int = 512  # requests waiting beyond max_in_flight; more are refused
+    max_in_flight: int = 256  # sequences running at once (a request counts as its n)
+    max_queued: int = 512  # sequences waiting beyond max_in_flight; more are refused
     max_n: int = DEFAULT_MAX_N  # most samples one request may ask for
     routing_policy: str = "score"  # or "round_robin" (router/policy.py)
     served_model_name: str | None = None  # the model id clients use (default: folder name)
