@@ -11,10 +11,6 @@ branches that only a CUDA device takes. The scenarios run in a process of their 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,9 +20,9 @@ from kvrelay.engine.graph_padding import capture_sizes
 from kvrelay.engine.memory_profile import MemoryProfile, kv_cache_budget
 from kvrelay_kernels import cuda_backend
 from tests.fake_cuda import runtime
+from tests.fake_cuda.report import run_scenarios
 from tests.fake_cuda.scenarios import BATCH_TOKENS, MAX_NUM_SEQS, PREEMPTION_TOKENS, SAMPLED
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 6  # max_tokens of every scenario request
 REQUESTS = {"short", "penalised", "long", "pair"}
 
@@ -37,18 +33,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("fake-cuda") / "report.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.fake_cuda.scenarios", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+    return run_scenarios(
+        "tests.fake_cuda.scenarios", tmp_path_factory.mktemp("fake-cuda") / "report.json"
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    loaded: dict[str, Any] = json.loads(out.read_text())
-    return loaded
 
 
 def result_of(report: dict[str, Any], name: str) -> dict[str, Any]:

@@ -7,18 +7,14 @@ under issue 14's rules (no device read but the sampled ids, no blocking copy).""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.fake_cuda.report import run_scenarios
 from tests.fake_cuda.scenarios import SAMPLED
 
-ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = {"short", "penalised", "long", "pair"}
 
 pytestmark = pytest.mark.skipif(
@@ -28,18 +24,10 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("fake-cuda-families") / "report.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.fake_cuda.family_scenarios", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+    return run_scenarios(
+        "tests.fake_cuda.family_scenarios",
+        tmp_path_factory.mktemp("fake-cuda-families") / "report.json",
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    loaded: dict[str, Any] = json.loads(out.read_text())
-    return loaded
 
 
 def finished_run(report: dict[str, Any], name: str) -> dict[str, Any]:
