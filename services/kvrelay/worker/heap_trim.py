@@ -8,7 +8,8 @@ after warm-up although the memory in use did not grow (issue 41; the 2026-11-30 
 `malloc_trim(0)` gave back ~170 MiB). It never runs inside a step; between steps while
 requests wait only when the engine has not been idle for BUSY_FACTOR intervals (a prefill
 worker under steady load: 2 idle moments in 5 minutes of an 8-stream soak), costing one
-trim's ~10-20 ms once a minute.
+trim's 3-5 ms once a minute (30-minute soak: 41 trims took 208 ms in all in the
+prefill worker, 165 took 681 ms in the decode worker).
 """
 
 from __future__ import annotations
