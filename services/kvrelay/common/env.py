@@ -163,6 +163,36 @@ NODE_NAME = EnvVar(
     unset="empty",
 )
 
+HEAP_TRIM_S = EnvVar(
+    "KVRELAY_HEAP_TRIM_S",
+    "seconds",
+    "10",
+    "a worker returns glibc's freed heap to the system (`malloc_trim`) when its engine goes "
+    "idle, at most this often, and between two steps after six intervals without an idle "
+    "moment; `0` never trims (`worker/heap_trim.py`)",
+)
+MEMORY_PROBE = EnvVar(
+    "KVRELAY_MEMORY_PROBE",
+    "path (a directory)",
+    "",
+    "each worker appends a JSON line of its memory (smaps, glibc's heap, live objects, "
+    "per-request structures) to `memory-<pid>.jsonl` there (`worker/memory_probe.py`; "
+    "`benchmarks/memory_soak.py --probe`)",
+    unset="unset: no probe",
+)
+MEMORY_PROBE_S = EnvVar(
+    "KVRELAY_MEMORY_PROBE_S",
+    "seconds",
+    "30",
+    "seconds between two lines of the memory probe",
+)
+MEMORY_PROBE_TRACEMALLOC = EnvVar(
+    "KVRELAY_MEMORY_PROBE_TRACEMALLOC",
+    "`1` or unset",
+    "",
+    "`1`: the memory probe also records tracemalloc's growth by line (slow; for finding a leak)",
+    unset="unset: off",
+)
 REGISTRY: tuple[EnvVar, ...] = (
     API_KEY,
     CACHE_DIR,
@@ -181,4 +211,8 @@ REGISTRY: tuple[EnvVar, ...] = (
     GENERATION,
     POD_NAME,
     NODE_NAME,
+    HEAP_TRIM_S,
+    MEMORY_PROBE,
+    MEMORY_PROBE_S,
+    MEMORY_PROBE_TRACEMALLOC,
 )

@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrelay.common import env
+
 logger = logging.getLogger(__name__)
 
-HEAP_TRIM_ENV = "KVRELAY_HEAP_TRIM_S"  # seconds between trims at most; "0" turns them off
+HEAP_TRIM_ENV = env.HEAP_TRIM_S.name  # seconds between trims at most; "0" turns them off
 DEFAULT_INTERVAL_S = 10.0
 BUSY_FACTOR = 6  # with no idle moment for this many intervals, trim between two steps
 

@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from kvrelay.common import env
+
 logger = logging.getLogger(__name__)
 
-PROBE_ENV = "KVRELAY_MEMORY_PROBE"  # a directory: each worker appends to memory-<pid>.jsonl
-PROBE_PERIOD_ENV = "KVRELAY_MEMORY_PROBE_S"  # seconds between lines (default 30)
-PROBE_TRACEMALLOC_ENV = "KVRELAY_MEMORY_PROBE_TRACEMALLOC"  # "1": also tracemalloc's growth
+PROBE_ENV = env.MEMORY_PROBE.name  # a directory: each worker appends to memory-<pid>.jsonl
+PROBE_PERIOD_ENV = env.MEMORY_PROBE_S.name  # seconds between lines (default 30)
+PROBE_TRACEMALLOC_ENV = env.MEMORY_PROBE_TRACEMALLOC.name  # "1": also tracemalloc's growth
 _MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                      "uordblks", "fordblks", "keepcost")  # fmt: skip
 
@@ -173,21 +175,21 @@ def start_probe(
     """With $KVRELAY_MEMORY_PROBE set, a daemon thread appending `probe_line`s to
     memory-<pid>.jsonl in that directory every $KVRELAY_MEMORY_PROBE_S seconds (default 30);
     None when it is unset."""
-    env = os.environ if environ is None else environ
-    directory = env.get(PROBE_ENV, "").strip()
+    directory = env.MEMORY_PROBE.get(environ).strip()
     if not directory:
         return None
     if not Path(directory).is_dir():
         raise ValueError(f"${PROBE_ENV} must name an existing directory, not {directory!r}")
     path = Path(directory) / f"memory-{os.getpid()}.jsonl"
-    raw_period = env.get(PROBE_PERIOD_ENV, "30")
+    raw_period = env.MEMORY_PROBE_S.get(environ)
     try:
         period = float(raw_period)
     except ValueError:
         period = -1.0
     if not period > 0:
         raise ValueError(f"${PROBE_PERIOD_ENV} must be a number of seconds > 0, not {raw_period!r}")
-    growth = TracemallocGrowth() if env.get(PROBE_TRACEMALLOC_ENV) == "1" else None
+    tracing = env.MEMORY_PROBE_TRACEMALLOC.get(environ) == "1"
+    growth = TracemallocGrowth() if tracing else None
 
     def run() -> None:
         while True:
