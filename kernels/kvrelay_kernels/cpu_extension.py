@@ -12,10 +12,12 @@ name carries a tag of the CPU's feature flags (`build_name`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -26,8 +28,6 @@ logger = logging.getLogger(__name__)
 CSRC_CPU = Path(__file__).parent / "csrc_cpu"
 _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
-# A build takes ~30-60 s on 2 cores; a lock older than this was left by a killed one.
-STALE_LOCK_S = 600.0
 
 
 def load_cpu_extension(name: str, source: str, flags: list[str], what: str) -> ModuleType | None:
@@ -60,15 +60,15 @@ def _build(name: str, source: Path, flags: list[str], what: str) -> ModuleType |
     try:
         from torch.utils.cpp_extension import load
 
-        clear_stale_build_lock(name)
         if not _is_built(name):
             logger.warning("compiling kvrelay's %s (first use only, ~30 s)", what)
-        module: ModuleType = load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=[*flags, headers_flag()],
-            verbose=False,
-        )
+        with build_guard(name):
+            module: ModuleType = load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=[*flags, headers_flag()],
+                verbose=False,
+            )
         return module
     except Exception as exc:  # no compiler or ninja: serve with the torch path instead
         logger.warning("%s unavailable (%s); using the torch path", what, exc)
@@ -85,26 +85,28 @@ def headers_flag() -> str:
     return f"-DKVRELAY_HEADERS_{digest.hexdigest()[:16]}"
 
 
-def clear_stale_build_lock(name: str, older_than_s: float = STALE_LOCK_S) -> bool:
-    """Remove the lock file of `name`'s build folder when it is older than `older_than_s`;
-    returns whether one was removed.
+@contextlib.contextmanager
+def build_guard(name: str) -> Iterator[None]:
+    """Hold an exclusive `flock` on `name`'s build folder around torch's `load`, and drop a
+    torch lock file found while holding it.
 
-    torch's build takes that lock and waits, without end, while another process holds it. A
-    process killed mid-build (a worker replaced, a test run interrupted) leaves it behind, and
-    every later process would then hang at its first kernel call; no build runs for minutes.
+    Every process takes torch's lock file on its first `load`, even when the module is built
+    (ninja's no-op check runs under it). A process killed right then (a test ending while a
+    worker still loads, a replaced pod) leaves the file, and every later process waits on it
+    without end. The kernel releases a `flock` when its holder dies; so while we hold ours, no
+    live kvrelay process is inside `load`, and a torch lock file is one a dead process left.
     """
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory
 
-        lock = Path(_get_build_directory(name, False)) / "lock"
-        age = time.time() - lock.stat().st_mtime
-    except Exception:  # no lock (the usual case), or no build folder yet
-        return False
-    if age < older_than_s:
-        return False
-    logger.warning("removing a stale build lock (%.0f s old) left by a killed build: %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
+    folder = Path(_get_build_directory(name, False))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "kvrelay.flock", "a+b") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        left = folder / "lock"
+        if left.exists():
+            logger.warning("removing a build lock left by a process that died in it: %s", left)
+            left.unlink(missing_ok=True)
+        yield  # closing the file releases the flock
 
 
 def _is_built(name: str) -> bool:
