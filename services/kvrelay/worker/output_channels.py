@@ -170,6 +170,10 @@ class OutputChannels:
     def _close_unclaimed(self, channel_id: str, channel: OutputChannel) -> None:
         if not channel.claimed:
             logger.warning("output channel %s was never connected: closing it", channel_id)
+            # Its key's own timer may fire a moment later: a router proving it in between
+            # would get a fresh channel that no request feeds, and wait on it for ever.
+            if self._server is not None:
+                self._server.revoke(channel_id)
             channel.close()
             self._forget(channel_id, channel)
 

@@ -78,6 +78,10 @@ class StreamServer:
             task.cancel()
         self._keys.clear()
 
+    def revoke(self, channel_id: str) -> None:
+        """`channel_id`'s key no longer admits a connection (its channel was closed)."""
+        self._keys.pop(channel_id, None)
+
     def _expire(self, channel_id: str, key: bytes) -> None:
         if self._keys.get(channel_id) is key:
             del self._keys[channel_id]
