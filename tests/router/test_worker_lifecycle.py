@@ -29,6 +29,10 @@ __all__ = ["worker_ray"]  # the session's Ray cluster, as a fixture of this modu
 PROMPT = list(range(1, 21))
 WAIT_S = 10.0  # what must happen soon (a shared 2-core machine: generous)
 OLD, NEW = "0a1b2c3d4e5f", "f5e4d3c2b1a0"
+# A migrating stream: 40 tokens of 0.2 s at the dying worker (8 s) always outlast the joins
+# and the kill; its end may then take the rest of those tokens at the spare.
+MIGRATING_TOKENS = 40
+MIGRATION_WAIT_S = 30.0
 
 
 class Actors:
@@ -262,17 +266,20 @@ async def test_a_migrated_stream_resumes_in_its_own_revision(
     prefill = actors.fake("prefill", "p-new", revision=NEW)
     dying = actors.fake("decode", "d-new", revision=NEW, step_s=0.2)
     other_revision = actors.fake("decode", "d-old", revision=OLD)
+    # Started now, joined mid-stream: a process start takes seconds on a loaded machine,
+    # longer than the stream would wait.
+    spare = actors.fake("decode", "d-new-2", revision=NEW)
+    await actors.up()
     monkeypatch.setenv("KVRELAY_GENERATION", NEW)
     router = await router_over(prefill, dying, other_revision)
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(max_tokens=MIGRATING_TOKENS)
     streaming = asyncio.create_task(
         collect_stream(router.generate(GenerateRequest("moving", PROMPT, params)))
     )
     await eventually(lambda: _live_at(dying, "moving"), "the stream at d-new")
-    spare = actors.fake("decode", "d-new-2", revision=NEW)
-    await router.registry.add(spare)
+    await bounded(router.registry.add(spare))
     ray.kill(dying)
-    assert await bounded(streaming) == model_tokens(PROMPT, 12)
+    assert await bounded(streaming, MIGRATION_WAIT_S) == model_tokens(PROMPT, MIGRATING_TOKENS)
     assert [rid for rid, _ in (await state(spare)).resumed] == ["moving"]
     assert (await state(other_revision)).calls == ()
 
@@ -306,20 +313,20 @@ async def test_a_stream_migrates_within_its_revision_even_after_the_serving_one_
     old_p = actors.fake("prefill", "p-old", revision=OLD)
     dying = actors.fake("decode", "d-old", revision=OLD, step_s=0.2)
     spare = actors.fake("decode", "d-old-2", revision=OLD)
-    monkeypatch.setenv("KVRELAY_GENERATION", NEW)
-    router = await router_over(old_p, dying)
-    streaming = asyncio.create_task(
-        collect_stream(
-            router.generate(GenerateRequest("older", PROMPT, SamplingParams(max_tokens=12)))
-        )
-    )
-    await eventually(lambda: _live_at(dying, "older"), "the stream at d-old")
     new_p = actors.fake("prefill", "p-new", revision=NEW)
     new_d = actors.fake("decode", "d-new", revision=NEW)
+    await actors.up()  # all started before the stream; joined mid-stream
+    monkeypatch.setenv("KVRELAY_GENERATION", NEW)
+    router = await router_over(old_p, dying)
+    params = SamplingParams(max_tokens=MIGRATING_TOKENS)
+    streaming = asyncio.create_task(
+        collect_stream(router.generate(GenerateRequest("older", PROMPT, params)))
+    )
+    await eventually(lambda: _live_at(dying, "older"), "the stream at d-old")
     for worker in (spare, new_p, new_d):
-        await router.registry.add(worker)
+        await bounded(router.registry.add(worker))
     assert router.registry.serving_revision() == NEW
     ray.kill(dying)
-    assert await bounded(streaming) == model_tokens(PROMPT, 12)
+    assert await bounded(streaming, MIGRATION_WAIT_S) == model_tokens(PROMPT, MIGRATING_TOKENS)
     assert (await state(new_d)).calls == ()
     assert [rid for rid, _ in (await state(spare)).resumed] == ["older"]
