@@ -6,13 +6,12 @@ this module registers nothing and tests can build several.
 
 No handler puts a finalizer on a KVRelayService: children go by garbage collection (owner
 references), so deleting a service never waits for the operator, even one uninstalled first.
-kopf would add one for its timers (to stop them gracefully); `_without_finalizers` turns that
-off, since a timer of a deleted service has nothing to finish.
+kopf would add one for its timers (to stop them gracefully); `kopf_compat` turns that off (the
+only use of kopf's private API), since a timer of a deleted service has nothing to finish.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -24,6 +23,12 @@ import kopf
 
 from kvrelay_operator.autoscale import autoscaled_pools, plan_service, scrape_routers
 from kvrelay_operator.errors import PermanentError, RetryableError, SpecError
+from kvrelay_operator.kopf_compat import (
+    TESTED_KOPF,
+    is_tested,
+    kopf_version,
+    timers_without_finalizers,
+)
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.metrics import OperatorMetrics
 from kvrelay_operator.names import (
@@ -78,15 +83,6 @@ def _reconcile(body: Mapping[str, Any], state: OperatorState) -> None:
         reconcile(state.kube, body, state.default_image, time.time(), state.router_url)
 
 
-def _without_finalizers(registry: kopf.OperatorRegistry) -> None:
-    """Timers and daemons register with requires_finalizer=True and kopf offers no flag to
-    change it; replace them (frozen dataclasses) with copies that do not."""
-    spawning = registry._spawning
-    spawning._handlers = [
-        dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers
-    ]
-
-
 def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.OperatorRegistry:
     # The handlers stay defined here: kopf names them by qualified name
     # (`build_registry.<locals>.on_service`) and keeps their progress under that name.
@@ -137,7 +133,9 @@ def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.Operat
         window."""
         memo.samples.pop((str(namespace), name), None)
 
-    _without_finalizers(registry)
+    if not is_tested(kopf_version()):
+        log.warning("kopf %s is outside the tested range %s", kopf_version(), TESTED_KOPF)
+    timers_without_finalizers(registry)
     return registry
 
 
