@@ -9,6 +9,7 @@ transfer's wire format is protobuf (proto/kvrelay/v1/kv_transfer.proto).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -96,7 +97,9 @@ class EngineRequest:
     `kv_handle`: the prompt's KV waits at that prefill engine (a decode worker pulls it).
     `resume_output_token_ids` (n = 1 only): the sequence another engine started goes on after
     these output tokens. `prompt`: the prompt's text, when the caller has it (outputs carry
-    it). `priority`: lower runs first, under the priority scheduling policy.
+    it). `priority`: lower runs first within its tenant. `tenant` ("" = the default tenant)
+    and `weight` (> 0): whose request it is and that tenant's weight, so the engine shares its
+    batch fairly across tenants (engine/fair_share.py); the router fills them from the API key.
     """
 
     request_id: str
@@ -106,6 +109,8 @@ class EngineRequest:
     resume_output_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
     priority: int = 0
+    tenant: str = ""
+    weight: float = 1.0
 
     def __init__(
         self,
@@ -116,8 +121,19 @@ class EngineRequest:
         resume_output_token_ids: Sequence[int] = (),
         prompt: str | None = None,
         priority: int = 0,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> None:
-        """Token ids are kept as tuples (a list given is copied, a tuple is not)."""
+        """Token ids are kept as tuples (a list given is copied, a tuple is not).
+
+        Raises:
+            ValueError: `weight` not a finite number > 0.
+        """
+        if not math.isfinite(weight) or weight <= 0:
+            raise ValueError(
+                f"weight must be a finite number > 0, got {weight!r} (tenant {tenant!r}): "
+                "fix the tenant's weight in --tenant-limits"
+            )
         set_field = object.__setattr__
         set_field(self, "request_id", request_id)
         set_field(self, "prompt_token_ids", tuple(prompt_token_ids))
@@ -126,6 +142,8 @@ class EngineRequest:
         set_field(self, "resume_output_token_ids", tuple(resume_output_token_ids))
         set_field(self, "prompt", prompt)
         set_field(self, "priority", priority)
+        set_field(self, "tenant", tenant)
+        set_field(self, "weight", float(weight))
 
 
 @dataclass(frozen=True)

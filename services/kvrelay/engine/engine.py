@@ -252,6 +252,7 @@ class Engine:
         self._parents[request_id] = parent
         for index, child in enumerate(parent.children):
             self._owner[child.request_id] = (parent, index)
+            child.tenant, child.weight = request.tenant, request.weight  # its samples share it
         return parent.children
 
     def abort(self, request_id: str) -> RequestOutput | None:

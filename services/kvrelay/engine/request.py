@@ -63,6 +63,11 @@ class Request:
     max_total_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0  # lower runs first, as in vLLM
+    # Whose request it is ("" = the default tenant) and that tenant's weight: the scheduler
+    # shares its batch across tenants by running sequences / weight (engine/fair_share.py).
+    # The samples of one request share them.
+    tenant: str = ""
+    weight: float = 1.0
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     # Structured outputs: this sample's llguidance matcher, advanced by each token appended

@@ -302,6 +302,7 @@ class Router:
     def _sample_runs(self, request: GenerateRequest) -> list[SampleRun]:
         params = request.params
         runs = []
+        weight = self.tenants.limits(request.tenant).weight
         for index, (rid, sample_params) in enumerate(samples_of(request.request_id, params)):
             # Stop strings are matched here, on the text; workers see token ids only. The
             # prompt's logprobs are the same for every sample: sample 0 computes them.
@@ -317,7 +318,12 @@ class Router:
                 request.include_stop_str_in_output,
             )
             worker_request = EngineRequest(
-                rid, request.prompt_token_ids, worker_params, priority=request.priority
+                rid,
+                request.prompt_token_ids,
+                worker_params,
+                priority=request.priority,
+                tenant=request.tenant,  # the engine shares its batch by tenant and weight
+                weight=weight,
             )
             runs.append(SampleRun(worker_request, state, _no_emit))
         return runs
