@@ -71,7 +71,7 @@ def _kvrelay(
         mode = "colocated" if colocated else "disaggregated"
         activations = "int8 activations" if int8 else dtype
         weights = f"{quantization} weights, {activations}" if quantization else dtype
-        extra = kvrelay_args(colocated, dtype, quantization, int8)
+        extra = kvrelay_args(dtype, quantization, int8)
         extra += ("--served-model-name", SERVED_MODEL)
         return kvrelay_spec(
             f"kvrelay {mode} {weights}",

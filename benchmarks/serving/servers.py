@@ -68,11 +68,11 @@ def kvrelay_spec(
 
 
 def kvrelay_args(
-    colocated: bool, dtype: str, quantization: str | None, int8_activations: bool = False
+    dtype: str, quantization: str | None, int8_activations: bool = False
 ) -> tuple[str, ...]:
-    """`kvrelay serve`'s flags for one mode, dtype and weight format of the comparison."""
-    args: tuple[str, ...] = ("--colocated",) if colocated else ()
-    args += ("--dtype", dtype)
+    """`kvrelay serve`'s flags for one dtype and weight format of the comparison (the mode's
+    --colocated is kvrelay_spec's)."""
+    args: tuple[str, ...] = ("--dtype", dtype)
     args += ("--quantization", quantization) if quantization else ()
     return args + (("--int8-activations",) if int8_activations else ())
 
