@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrelay_operator import rdma
 from kvrelay_operator.env import (
     CACHE_DIR_ENV,
     COMPONENT_ENV,
@@ -233,3 +234,30 @@ def resources(placement: Placement, extra: Obj | None = None) -> Obj:
         for kind in ("requests", "limits"):
             out[kind] = {**out.get(kind, {}), **extra}
     return out
+
+
+def worker_transport(template: Obj, spec: ServiceSpec) -> Obj:
+    """`template` (a worker group's pod template) with the KV transport's pod settings:
+    the RDMA privilege, /dev/shm, hugepages, `UCX_*` and extra env, memlock, and for
+    hostNetwork the node's network with one kvrelay worker per node (rdma.py says why)."""
+    settings = spec.kv.transport
+    pod = template["spec"]
+    container = pod["containers"][0]
+    container["securityContext"] = rdma.container_security(settings, container["securityContext"])
+    extra_volumes, mounts = rdma.volumes(settings)
+    pod["volumes"] = [*pod["volumes"], *extra_volumes]
+    container["volumeMounts"] = [*container["volumeMounts"], *mounts]
+    container["env"] = [*container["env"], *rdma.worker_env(settings)]
+    huge = rdma.hugepage_resources(settings)
+    for kind in ("requests", "limits") if huge else ():
+        container.setdefault("resources", {}).setdefault(kind, {}).update(huge)
+    if spec.kv.host_network:
+        # RDMA NICs without a CNI that hands them to pods: the pod uses the node's network.
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+        pod["affinity"] = rdma.host_network_anti_affinity(pod.get("affinity") or {})
+    if settings.memlock == "Unlimited":
+        template["metadata"].setdefault("annotations", {})[rdma.OVERWRITE_CMD] = "true"
+        container["command"] = ["/bin/bash", "-c", "--"]
+        container["args"] = [rdma.MEMLOCK_ARGS]
+    return template

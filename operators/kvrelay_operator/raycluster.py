@@ -119,10 +119,6 @@ def _worker_pod_spec(spec: ServiceSpec, pool: PoolSpec, revision: str) -> Obj:
     )
     if not pod_spec["initContainers"]:
         del pod_spec["initContainers"]
-    if spec.kv.host_network:
-        # RDMA NICs without a CNI that hands them to pods: the pod uses the node's network.
-        pod_spec["hostNetwork"] = True
-        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     return pod_spec
 
 
@@ -141,10 +137,14 @@ def _worker_group(
         "minReplicas": 0,
         "maxReplicas": upper,
         "rayStartParams": params,
-        "template": {
-            "metadata": {"labels": _template_labels(spec, pool.name, revision)},
-            "spec": _worker_pod_spec(spec, pool, revision),
-        },
+        # The KV transport's pod settings (RDMA privilege, memlock, /dev/shm, hostNetwork).
+        "template": podparts.worker_transport(
+            {
+                "metadata": {"labels": _template_labels(spec, pool.name, revision)},
+                "spec": _worker_pod_spec(spec, pool, revision),
+            },
+            spec,
+        ),
     }
     if delete:
         # The drained pods go, not KubeRay's random pick (see drain.py).

@@ -10,14 +10,13 @@ from kvrelay_operator.schema_parts import (
     Schema,
     conditions,
     int32,
-    object_name,
     placement,
     pull_secrets,
-    quantity_map,
     replica_status,
     resource_schema,
     string,
 )
+from kvrelay_operator.schema_rdma import kv_transfer_schema
 from kvrelay_operator.spec import (
     DNS_1035,
     HUB_ID_PATTERN,
@@ -174,56 +173,9 @@ def _service_spec() -> Schema:
             "decode": _pool("decode", 1),
             "router": _router_schema(),
             "imagePullSecrets": pull_secrets(),
-            "kvTransfer": _kv_transfer_schema(),
+            "kvTransfer": kv_transfer_schema(),
             "ray": _ray_schema(),
             "monitoring": _monitoring_schema(),
-        },
-    }
-
-
-def _kv_transfer_schema() -> Schema:
-    """The KV relay between the pools' pods: transport, secret, UCX and RDMA."""
-    return {
-        "type": "object",
-        "description": "How KV blocks move from prefill to decode workers.",
-        "default": {},
-        "properties": {
-            "backend": string(
-                "nixl (UCX: RDMA or TCP) or grpc.", enum=["nixl", "grpc"], default="nixl"
-            ),
-            "secretName": object_name(
-                "A Secret (key `secret`, at least 32 bytes) that authorizes KV pulls; empty: "
-                "the operator creates <name>-kv with a random key."
-            ),
-            "ucx": {
-                "type": "object",
-                "description": "UCX settings of the worker pods (nixl backend).",
-                "properties": {
-                    "tls": string("UCX_TLS, e.g. rc,cuda_copy,cuda_ipc (RDMA) or tcp."),
-                    "netDevices": string("UCX_NET_DEVICES, e.g. mlx5_0:1."),
-                },
-            },
-            "rdma": {
-                "type": "object",
-                "description": "RDMA devices for the worker pods.",
-                "properties": {
-                    "resources": quantity_map(
-                        "Device plugin resources each worker pod gets (requests and limits), "
-                        "e.g. rdma/rdma_shared_device_a: 1."
-                    ),
-                    "ipcLock": {
-                        "type": "boolean",
-                        "description": "Add CAP_IPC_LOCK (RDMA pins memory); default: on when "
-                        "resources are set.",
-                    },
-                },
-            },
-            "hostNetwork": {
-                "type": "boolean",
-                "description": "Run worker pods on the node's network (RDMA NICs no CNI "
-                "hands to pods). One worker pod per node then: Ray's ports are fixed.",
-                "default": False,
-            },
         },
     }
 

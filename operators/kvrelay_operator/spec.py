@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay_operator.errors import SpecError
+from kvrelay_operator.rdma import TransportSettings
 
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
 # A Service name (`<name>-router`) and KubeRay's names must be DNS-1035 labels: a lowercase
@@ -248,23 +249,27 @@ class KVTransferSpec:
     ucx_tls: str = ""  # UCX_TLS, e.g. rc,cuda_copy,cuda_ipc
     ucx_net_devices: str = ""  # UCX_NET_DEVICES, e.g. mlx5_0:1
     rdma_resources: Mapping[str, Any] = field(default_factory=dict)  # device plugin resources
-    ipc_lock: bool = False  # CAP_IPC_LOCK: RDMA pins (registers) memory
     host_network: bool = False
+    # Privilege, memlock, hugepages, /dev/shm and extra env of the worker pods (rdma.py).
+    transport: TransportSettings = field(default_factory=TransportSettings)
+
+    @property
+    def ipc_lock(self) -> bool:
+        """CAP_IPC_LOCK is added only where it takes effect (rdma.py says why)."""
+        return self.transport.ipc_lock
 
     @staticmethod
     def parse(raw: Mapping[str, Any]) -> KVTransferSpec:
         ucx = raw.get("ucx") or {}
         rdma = raw.get("rdma") or {}
-        resources = dict(rdma.get("resources") or {})
         return KVTransferSpec(
             backend=str(raw.get("backend", "nixl")),
             secret_name=str(raw.get("secretName") or ""),
             ucx_tls=str(ucx.get("tls") or ""),
             ucx_net_devices=str(ucx.get("netDevices") or ""),
-            rdma_resources=resources,
-            # Registering memory for RDMA needs IPC_LOCK; on by default once RDMA is asked for.
-            ipc_lock=bool(rdma.get("ipcLock", bool(resources))),
+            rdma_resources=dict(rdma.get("resources") or {}),
             host_network=bool(raw.get("hostNetwork", False)),
+            transport=TransportSettings.parse(raw),
         )
 
 

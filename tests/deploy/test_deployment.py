@@ -25,8 +25,8 @@ from tests.operator.fake_api import FakeApi, fake_api
 Obj = dict[str, Any]
 T0 = 1_800_000_000.0
 RDMA = {
-    "ucx": {"tls": "rc,cuda_copy,cuda_ipc", "netDevices": "mlx5_0:1"},
-    "rdma": {"resources": {"rdma/rdma_shared_device_a": 1}},
+    "ucx": {"tls": "rc,cuda_copy", "netDevices": "mlx5_0:1"},
+    "rdma": {"resources": {"rdma/rdma_shared_device_a": 1}, "privilege": "Root"},
 }
 VALUES: Obj = {
     "imagePullSecrets": [{"name": "regcred"}],
@@ -123,7 +123,7 @@ def test_two_revisions_run_side_by_side_during_the_upgrade(deployment: dict[str,
             (container,) = pod["containers"]
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert env["KVRELAY_GENERATION"] == revision
-            assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc"
+            assert env["UCX_TLS"] == "rc,cuda_copy"
             assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
             assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
             assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]

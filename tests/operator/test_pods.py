@@ -47,8 +47,9 @@ PRODUCTION: dict[str, Any] = {
     "router": {"priorityClassName": "llm-serving", "imagePullSecrets": [{"name": "regcred"}]},
     "ray": {"head": {"runtimeClassName": "nvidia"}},
     "kvTransfer": {
-        "ucx": {"tls": "rc,cuda_copy,cuda_ipc", "netDevices": "mlx5_0:1"},
-        "rdma": {"resources": {"rdma/rdma_shared_device_a": 1}},
+        "ucx": {"tls": "rc,cuda_copy", "netDevices": "mlx5_0:1"},
+        # IPC_LOCK takes effect for root only (rdma.py): the worker container runs as root.
+        "rdma": {"resources": {"rdma/rdma_shared_device_a": 1}, "privilege": "Root"},
         "hostNetwork": True,
     },
 }
@@ -118,7 +119,8 @@ def test_every_pod_gets_the_scheduling_fields_and_pull_secrets_it_asks_for() -> 
     pods = _templates(PRODUCTION)
     for pool in ("prefill", "decode"):
         pod = pods[pool]
-        assert pod["affinity"] == AFFINITY
+        # hostNetwork adds one kvrelay worker per node (test_rdma.py) to the pool's own.
+        assert {k: v for k, v in pod["affinity"].items() if k != "podAntiAffinity"} == AFFINITY
         assert pod["topologySpreadConstraints"] == [SPREAD]
         assert pod["priorityClassName"] == "llm-serving"
         assert pod["runtimeClassName"] == "nvidia"
@@ -159,8 +161,9 @@ def test_rdma_gives_workers_devices_ipc_lock_ucx_settings_and_host_network() -> 
             "drop": ["ALL"],
             "add": ["IPC_LOCK"],
         }
+        assert container["securityContext"]["runAsUser"] == 0
         env = _env(pod)
-        assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc"
+        assert env["UCX_TLS"] == "rc,cuda_copy"
         assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
         assert pod["hostNetwork"] is True
         assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
