@@ -1,12 +1,18 @@
 """Continuous batching: which requests run this step, and how many of their tokens.
 
 One token budget per step covers decode tokens and prefill chunks alike. Running requests are
-served first (decodes before prefill chunks), then waiting ones are admitted in priority /
-arrival order. When the KV pool runs out, the newest, lowest-priority running request is
-preempted: its blocks are freed and it is recomputed later (its output is kept), reusing
-whatever of it the prefix cache still holds. A request admitted with `forks` (the other samples
-of an `n` > 1 request) prefills once; its forks join at its first sampled token, sharing its
-blocks (copy-on-write). A request whose prompt KV is being pulled from a prefill engine waits
+served first (decodes before prefill chunks), then waiting ones are admitted: with one tenant
+waiting, in priority / arrival order; with several, the least-served tenant's first (running
+sequences / weight, engine/fair_share.py). When the KV pool runs out, the newest,
+lowest-priority running request of the tenant most over its share is preempted: its blocks are
+freed and it is recomputed later (its output is kept), reusing whatever of it the prefix cache
+still holds. A waiting request that cannot start (batch or KV full) takes the place of a
+running request of a tenant well over its share, or of a worse-priority one of its own tenant
+(`fair_share.victim_for`: bounded so that nobody is preempted back and forth).
+
+A request admitted with `forks` (the other samples of an `n` > 1 request) prefills once; its
+forks join at its first sampled token, sharing its blocks (copy-on-write), and count as
+sequences of its tenant. A request whose prompt KV is being pulled from a prefill engine waits
 apart (`add_waiting_for_remote_kv`) until `finish_remote_kv` lets it run or recompute.
 """
 
@@ -18,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvrelay.config import SchedulerConfig
+from kvrelay.engine import fair_share
+from kvrelay.engine.fair_share import Shares
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.prompt_logprobs import cacheable_blocks
 from kvrelay.engine.request import Request, RequestStatus
@@ -233,24 +241,29 @@ class Scheduler:
         return budget - size
 
     def _allocate_or_preempt(self, request: Request, total: int, out: SchedulerOutput) -> bool:
-        """Find KV room for `request`, preempting lower-priority running requests if needed.
+        """Find KV room for `request`, preempting running requests if needed (the newest,
+        lowest-priority of the tenant most over its share: `fair_share.preemption_victim`).
 
         Returns False when `request` itself was preempted.
         """
         while not self.kv_cache.allocate_slots(
             request.request_id, total, num_computed_tokens=request.num_computed_tokens
         ):
-            victim = max(self.running, key=_SERVICE_ORDER)
-            scheduled = [c for c in out.chunks if c.request is victim]
-            if scheduled:
-                # A victim already in this step's batch gives its tokens back to the budget
-                # only implicitly: the step simply runs fewer tokens.
-                out.chunks.remove(scheduled[0])
-            self._preempt(victim)
-            out.preempted.append(victim)
+            victim = fair_share.preemption_victim(self.running, self._forks)
+            self._evict(victim, out)
             if victim is request:
                 return False
         return True
+
+    def _evict(self, victim: Request, out: SchedulerOutput) -> None:
+        """Preempt running `victim` within this step, taking its chunk out if scheduled."""
+        scheduled = [c for c in out.chunks if c.request is victim]
+        if scheduled:
+            # A victim already in this step's batch gives its tokens back to the budget only
+            # implicitly: the step simply runs fewer tokens.
+            out.chunks.remove(scheduled[0])
+        self._preempt(victim)
+        out.preempted.append(victim)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -262,31 +275,73 @@ class Scheduler:
         self.waiting.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for request in sorted(self.waiting, key=_SERVICE_ORDER):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting:
+            return
+        shares: Shares | None = None  # counted only when several tenants wait or one is stuck
+        order: Iterable[Request]
+        if fair_share.one_tenant(self.waiting):
+            order = sorted(self.waiting, key=_SERVICE_ORDER)
+        else:
+            shares = Shares(self.running, self._forks)
+            order = fair_share.admission_order(self.waiting, shares)
+        for request in order:
+            if budget == 0:
                 return
-            assert request.num_computed_tokens == 0, "a waiting request holds no KV"
-            cached = self.kv_cache.find_cached_prefix(request)
-            if request.sampling_params.prompt_logprobs is not None:
-                cached = cacheable_blocks(request, cached, self.kv_cache.block_size)
-            num_cached = len(cached) * self.kv_cache.block_size
-            request.num_computed_tokens = num_cached
-            size = self._chunk_size(request, budget)
-            if not self.kv_cache.allocate_slots(
-                request.request_id, num_cached + size, cached_blocks=cached
-            ):
-                request.num_computed_tokens = 0
-                # Strict order: a later request never overtakes one that does not fit yet.
-                return
-            if self.kv_cache.enable_caching:
-                self.kv_cache.stats.queries += request.num_tokens
-                self.kv_cache.stats.hits += num_cached
-            request.num_cached_tokens = num_cached
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.chunks.append(self._chunk(request, size))
+            full = len(self.running) >= self.config.max_num_seqs
+            size = None if full else self._allocate_waiting(request, budget)
+            if size is None:
+                # Counted afresh for one tenant: earlier admissions of this loop count too.
+                stuck = shares if shares is not None else Shares(self.running, self._forks)
+                size = self._make_room(request, budget, stuck, out)
+                if size is None:
+                    # Strict order: a later request never overtakes one that cannot start.
+                    return
+            self._start(request, size, out)
             budget -= size
+
+    def _allocate_waiting(self, request: Request, budget: int) -> int | None:
+        """Allocate waiting `request`'s first chunk (prefix-cache hits reused); its size, or
+        None when the KV pool has no room for it."""
+        assert request.num_computed_tokens == 0, "a waiting request holds no KV"
+        cached = self.kv_cache.find_cached_prefix(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            cached = cacheable_blocks(request, cached, self.kv_cache.block_size)
+        num_cached = len(cached) * self.kv_cache.block_size
+        request.num_computed_tokens = num_cached
+        size = self._chunk_size(request, budget)
+        if not self.kv_cache.allocate_slots(
+            request.request_id, num_cached + size, cached_blocks=cached
+        ):
+            request.num_computed_tokens = 0
+            return None
+        if self.kv_cache.enable_caching:
+            self.kv_cache.stats.queries += request.num_tokens
+            self.kv_cache.stats.hits += num_cached
+        request.num_cached_tokens = num_cached
+        return size
+
+    def _make_room(
+        self, request: Request, budget: int, shares: Shares, out: SchedulerOutput
+    ) -> int | None:
+        """Preempt running requests that waiting `request` may take the place of
+        (`fair_share.victim_for`) until it can start; its first chunk's size, or None when
+        no (further) victim may be taken. Victims taken before a None stay preempted: the
+        rule only ever moves sequences towards the tenants under their share."""
+        while (victim := fair_share.victim_for(request, self.running, shares)) is not None:
+            shares.remove(victim)
+            self._evict(victim, out)
+            if len(self.running) < self.config.max_num_seqs:
+                size = self._allocate_waiting(request, budget)
+                if size is not None:
+                    return size
+        return None
+
+    def _start(self, request: Request, size: int, out: SchedulerOutput) -> None:
+        """Move waiting `request`, its first chunk allocated, into the running batch."""
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.chunks.append(self._chunk(request, size))
 
     def _chunk(self, request: Request, size: int) -> ScheduledChunk:
         forks = self._forks.get(request.request_id) if self._forks else None
