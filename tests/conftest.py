@@ -19,6 +19,9 @@ os.environ.setdefault("KVRELAY_CPU_AUTO_DTYPE", "float32")
 # Likewise a single-row fp32 matmul's path: measured at load (models/single_row.py), so a
 # loaded machine could pick differently in two processes; pinned to the dense one.
 os.environ.setdefault("KVRELAY_CPU_SINGLE_ROW", "dense")
+# And a many-row bf16 matmul's path (models/many_rows.py): pinned to kvrelay's blocked kernel;
+# tests/models/test_many_rows.py runs the bf16 checks on each path by name.
+os.environ.setdefault("KVRELAY_CPU_MANY_ROWS", "blocked")
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,24 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset(flags)
 
 
+def cpu_model_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name (`model name` on x86); "unknown" where /proc/cpuinfo has none.
+
+    Args:
+        cpuinfo: the text of /proc/cpuinfo; read from the system when None.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = _CPUINFO.read_text()
+        except OSError:
+            return "unknown"
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() == "model name" and value.strip():
+            return value.strip()
+    return "unknown"
+
+
 def flags_tag(flags: frozenset[str]) -> str:
     """A short stable name for a set of flags: two CPUs share it only if they have the same
     instruction sets (so a `-march=native` build made on one is safe to load on the other)."""

@@ -84,6 +84,15 @@ CPU_SINGLE_ROW = EnvVar(
     "path of one-row fp32 matmuls: `packed` (oneDNN) or `dense` (`W @ x.T`); `auto` measures "
     "both at load (`models/single_row.py`)",
 )
+CPU_MANY_ROWS = EnvVar(
+    "KVRELAY_CPU_MANY_ROWS",
+    "`auto` \\| `blocked` \\| `onednn`",
+    "auto",
+    "path of bf16 matmuls of 2 rows or more (prefill chunks, decode batches): `blocked` "
+    "(kvrelay's kernel), `onednn` (torch's linear: AMX tiles where the CPU has them); `auto` "
+    "times both per weight shape at load and takes oneDNN from the row count where it wins "
+    "(`models/many_rows.py`)",
+)
 KV_HOST = EnvVar(
     "KVRELAY_KV_HOST",
     "address",
@@ -200,6 +209,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     CPU_AUTO_DTYPE,
     CPU_QUANT_KERNEL,
     CPU_SINGLE_ROW,
+    CPU_MANY_ROWS,
     KV_HOST,
     KV_ADVERTISE_HOST,
     KV_SECRET,

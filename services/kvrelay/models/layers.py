@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.cpu_features import cpu_has_native_bf16
+from kvrelay.models.many_rows import NEVER, onednn_from_rows
 from kvrelay_kernels.cpu_blocked import blocked_ops_for, load_blocked_ops, pack_blocks
 from kvrelay_kernels.cpu_fused import fused_ops_for
 from kvrelay_kernels.gpu_fused import gpu_fused_ops_for
@@ -140,19 +141,24 @@ class Linear(nn.Linear):
     """`nn.Linear` whose forward is `linear` above (same parameters, same state dict).
 
     After loading, `prepack()` binds kvrelay's blocked kernel to a packed copy of the weight
-    where it builds (AVX-512; bf16 with AVX512-BF16), else adds oneDNN's packed copy.
+    where it builds (AVX-512; bf16 with AVX512-BF16), else adds oneDNN's packed copy. A bf16
+    layer on the blocked kernel sends steps of `onednn_from_rows` rows or more to oneDNN on
+    its dense weight instead (`models/many_rows.py`: AMX tiles where the CPU has them).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed: PackedLinear | None = None
         self.blocked: Blocked | None = None
+        self.onednn_from_rows = NEVER  # set by `prepack` from the measured crossover
 
     def prepack(self, blocks: torch.Tensor | None = None) -> None:
         """Pack a copy of the weight for the fastest CPU path: kvrelay's blocked kernel where
-        it builds for the weight (every row count takes it: a decode step's one row at memory
-        speed, 16 rows at 1.4-1.6x oneDNN's speed, a prefill chunk at oneDNN's), oneDNN's packed
-        layout elsewhere (`can_prepack`).
+        it builds for the weight (a decode step's one row at memory speed; on an AVX-512 EPYC
+        16 rows at 1.4-1.6x oneDNN's speed, a prefill chunk at oneDNN's), oneDNN's packed
+        layout elsewhere (`can_prepack`). A bf16 weight on the blocked kernel also gets the
+        row count from which oneDNN on the dense weight is faster (`many_rows.onednn_from_rows`:
+        measured, or pinned by KVRELAY_CPU_MANY_ROWS; no copy is made for it).
 
         For inference only. The dense weight stays (the state dict, other dtypes): weights
         take twice the memory, a fair price on CPU for the fastest path.
@@ -161,22 +167,36 @@ class Linear(nn.Linear):
             blocks: the weight already packed (`pack_blocks`); see `blocked_of`.
         """
         self.blocked = blocked_of(self.weight, self.bias, blocks)
-        if self.blocked is None and can_prepack(self.weight):
+        self.onednn_from_rows = NEVER
+        if self.blocked is not None:
+            blocked = self.blocked
+            self.onednn_from_rows = onednn_from_rows(
+                self.weight, lambda x: run_blocked(blocked, x), self.onednn
+            )
+        elif can_prepack(self.weight):
             self.packed = PackedLinear(self.weight, self.bias)
 
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T + b` through torch's linear on the dense weight: oneDNN for bf16 on the
+        CPU, on AMX tiles where the CPU has them."""
+        return F.linear(x, self.weight, self.bias)
+
     def native_matmul(self) -> NativeMatmul | None:
-        """This layer's matmul for the decoder stack: the blocked kernel, at every row count,
-        once `prepack` bound it; None otherwise."""
+        """This layer's matmul for the decoder stack: the blocked kernel, below the row count
+        where oneDNN takes over, once `prepack` bound it; None otherwise."""
         if self.blocked is None:
             return None
         module = load_blocked_ops()  # built already: `prepack` bound its kernel
         if module is None:
             return None
         _, blocks, out_features, bias = self.blocked
+        max_rows = sys.maxsize if self.onednn_from_rows == NEVER else self.onednn_from_rows - 1
         return NativeMatmul("kvrelay.blocked_matmul", [blocks], out_features, bias, module,
-                            sys.maxsize)  # fmt: skip
+                            max_rows)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] >= self.onednn_from_rows:
+            return self.onednn(x)  # many rows, where oneDNN measured faster
         out = run_blocked(self.blocked, x)
         if out is not None:
             return out
