@@ -24,7 +24,7 @@ from kvrelay_operator.names import (
     router_name,
     selector_labels,
 )
-from kvrelay_operator.podparts import Obj
+from kvrelay_operator.podparts import Obj, model_cache_objects
 from kvrelay_operator.ray_access import desired_ray_network_policy
 from kvrelay_operator.raycluster import desired_raycluster
 from kvrelay_operator.revision import revision_hash
@@ -151,6 +151,7 @@ def desired_objects(
     sizes = pool_replicas(spec, observed_pools)
     revision = revision_hash(spec)
     objects = [desired_pool(spec, pool, sizes[pool]) for pool in POOLS]
+    objects.extend(model_cache_objects(spec))  # the shared model cache's claim and Job
     groups = {**sizes, **(group_sizes or {})}
     objects.append(desired_raycluster(spec, revision, groups, workers_to_delete))
     objects.append(desired_ray_network_policy(spec))

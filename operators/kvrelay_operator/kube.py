@@ -26,6 +26,8 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors",
+    "Job": "jobs",  # the shared model cache's filler (model_cache.py)
+    "PersistentVolumeClaim": "persistentvolumeclaims",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay_operator import rdma
+from kvrelay_operator import model_cache, rdma
 from kvrelay_operator.env import (
     CACHE_DIR_ENV,
     COMPONENT_ENV,
@@ -26,6 +26,7 @@ from kvrelay_operator.names import (
     KV_SECRET_MOUNT,
     MODEL_MOUNT,
     kv_secret_name,
+    labels,
 )
 from kvrelay_operator.spec import Placement, ServiceSpec
 
@@ -78,6 +79,8 @@ def volumes(spec: ServiceSpec, kv: bool = False) -> list[Obj]:
     model = _model_volume(spec)
     if model is not None:
         out.append(model)
+    if model_cache.enabled(spec):
+        out.append(model_cache.volume(spec))
     if kv:
         secret = {
             "secretName": kv_secret(spec),
@@ -92,6 +95,8 @@ def volume_mounts(spec: ServiceSpec, kv: bool = False) -> list[Obj]:
     out: list[Obj] = [{"name": "cache", "mountPath": CACHE_DIR}]
     if spec.model.mounted:
         out.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if model_cache.enabled(spec):
+        out.append(model_cache.mount(read_only=True))
     if kv:
         out.append({"name": "kv-secret", "mountPath": KV_SECRET_MOUNT, "readOnly": True})
     return out
@@ -166,7 +171,10 @@ def pod_security() -> Obj:
 def init_containers(spec: ServiceSpec, resources: Obj) -> list[Obj]:
     """Fetch the default model, or a `source: hub` model's snapshot, into the cache before
     the engine starts (a no-op once cached, so a cache claim seeded beforehand works without
-    a network). Models on a volume or in the image need nothing."""
+    a network). Models on a volume or in the image need nothing; a shared cache
+    (model_cache.py) is filled by its Job, which the pod waits for."""
+    if model_cache.enabled(spec):
+        return [model_cache.wait_container(spec, container_security(), resources)]
     if spec.model.source == "default":
         command = ["kvrelay", "model", "pull-default"]
         env = [{"name": CACHE_DIR_ENV, "value": CACHE_DIR}]
@@ -261,3 +269,42 @@ def worker_transport(template: Obj, spec: ServiceSpec) -> Obj:
         container["command"] = ["/bin/bash", "-c", "--"]
         container["args"] = [rdma.MEMLOCK_ARGS]
     return template
+
+
+def model_cache_objects(spec: ServiceSpec) -> list[Obj]:
+    """The shared model cache's claim (unless the service names one) and the Job that fills
+    it, scheduled like the router (same placement and pull secrets); none without a cache."""
+    if not model_cache.enabled(spec):
+        return []
+    claim = model_cache.desired_claim(spec)
+    container = {
+        "name": "fill-model-cache",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": model_cache.fill_command(),
+        "env": [{"name": CACHE_DIR_ENV, "value": CACHE_DIR}],
+        "volumeMounts": [model_cache.mount(read_only=False)],
+        "resources": resources(spec.router.placement),
+        "securityContext": container_security(),
+    }
+    pod = place(
+        {
+            "restartPolicy": "OnFailure",
+            "securityContext": pod_security(),
+            "containers": [container],
+            "volumes": [model_cache.volume(spec)],
+        },
+        spec.router.placement,
+        spec,
+    )
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": model_cache.job_name(spec),
+            "namespace": spec.namespace,
+            "labels": labels(spec.name, model_cache.VOLUME),
+        },
+        "spec": {"backoffLimit": 6, "template": {"spec": pod}},
+    }
+    return [*([claim] if claim else []), job]

@@ -6,6 +6,7 @@ The parser in `spec.py` reads what this schema allows; a test checks their defau
 
 from __future__ import annotations
 
+from kvrelay_operator.schema_cache import model_cache_rule, model_cache_schema
 from kvrelay_operator.schema_parts import (
     Schema,
     conditions,
@@ -264,12 +265,14 @@ def _model_schema() -> Schema:
                 "description": "A Hugging Face folder at an absolute path in the image.",
                 "properties": {"path": string("Absolute folder path.", pattern=r"^/.+")},
             },
+            "cache": model_cache_schema(),
             "cacheClaimName": string(
                 "A PersistentVolumeClaim for KVRELAY_CACHE_DIR, so the default model is "
                 "fetched once; empty gives each pod its own emptyDir."
             ),
         },
         "x-kubernetes-validations": [
+            model_cache_rule(),
             {"rule": "self.source != 'pvc' || has(self.pvc)", "message": "source pvc needs pvc"},
             {
                 "rule": "self.source != 'image' || has(self.image)",

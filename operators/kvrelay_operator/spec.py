@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay_operator.errors import SpecError
+from kvrelay_operator.model_cache import ModelCache
 from kvrelay_operator.rdma import TransportSettings
 
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
@@ -179,6 +180,8 @@ class ModelSource:
     hub_revision: str = "main"
     hub_token_secret: str = ""
     hub_token_key: str = "token"
+    # The default model fetched once into a shared claim by one Job (model_cache.py).
+    cache: ModelCache = field(default_factory=ModelCache)
 
     @staticmethod
     def parse(raw: Mapping[str, Any]) -> ModelSource:
@@ -201,6 +204,7 @@ class ModelSource:
             hub_revision=str(hub.get("revision", "main")),
             hub_token_secret=str(token.get("name", "")),
             hub_token_key=str(token.get("key", "token")),
+            cache=ModelCache.parse(raw.get("cache") or {}, source),
         )
         if source not in MODEL_SOURCES:
             raise SpecError(f"model.source {source!r} is not one of {', '.join(MODEL_SOURCES)}")

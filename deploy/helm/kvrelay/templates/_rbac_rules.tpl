@@ -36,6 +36,13 @@ stop managing and the RayClusters of retired worker generations.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
+# A service's shared model cache (model.cache.shared): its claim and the Job that fills it.
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch]
 # Each service's NetworkPolicy: only its own pods reach its Ray pods.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
