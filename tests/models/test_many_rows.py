@@ -89,12 +89,34 @@ def test_measuring_stops_at_a_bucket_past_the_budget() -> None:
         return x.shape[0]
 
     crossover, timings = measure_crossover(24, rows_of, rows_of, time_pair=time_pair)
-    assert seen == [2, 4, 8, 16, 32, 64, 128]  # 128 rows: 64 ms > 50 ms budget, stop
-    assert crossover == 2 and set(timings) == set(seen)
+    # 128 rows: 64 ms > the 50 ms budget, stop; then oneDNN's wins are timed once more.
+    assert seen == [2, 4, 8, 16, 32, 64, 128] * 2
+    assert crossover == 2 and set(timings) == {2, 4, 8, 16, 32, 64, 128}
     assert describe(crossover, timings) == (
         "oneDNN from 2 rows, blocked kernel below (128 rows: blocked 128000 us, oneDNN 64000 us)"
     )
     assert describe(NEVER, {2: (1e-5, 2e-5)}).startswith("blocked kernel at every row count")
+
+
+def test_a_win_that_does_not_repeat_does_not_count() -> None:
+    """A neighbour took the core during the blocked kernel's calls at 512 rows: oneDNN looks
+    faster there once, and not when timed again."""
+    rounds: dict[int, int] = {}
+
+    def time_pair(blocked: Any, onednn: Any) -> tuple[float, float]:
+        rows = blocked()
+        rounds[rows] = rounds.get(rows, 0) + 1
+        noisy = rows == 512 and rounds[rows] == 1
+        return (5e-6 * rows if noisy else 1e-6 * rows), 1.2e-6 * rows
+
+    crossover, timings = measure_crossover(8, rows_of_any, rows_of_any, time_pair=time_pair)
+    assert crossover == NEVER
+    assert rounds == {rows: 1 for rows in ROW_BUCKETS} | {512: 2}
+    assert timings[512] == pytest.approx((512e-6, 1.2 * 512e-6))
+
+
+def rows_of_any(x: torch.Tensor) -> int:
+    return x.shape[0]
 
 
 def test_only_bf16_weights_leave_the_blocked_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -122,7 +122,30 @@ def measure_crossover(
             timings[rows] = time_pair(partial(blocked, x), partial(onednn, x))
         if min(timings[rows]) > _BUCKET_BUDGET_S:
             break
-    return crossover_rows(timings), timings
+    return confirmed_crossover(timings, in_features, blocked, onednn, time_pair), timings
+
+
+def confirmed_crossover(
+    timings: dict[int, tuple[float, float]],
+    in_features: int,
+    blocked: Matmul,
+    onednn: Matmul,
+    time_pair: TimePair = _time_pair,
+) -> int:
+    """`crossover_rows`, with every bucket where oneDNN won timed once more before it counts.
+
+    A process beside us that takes a core in the middle of a blocked-kernel call makes that
+    call look slow; the fastest of both rounds is kept (so only a slowdown seen in both
+    rounds moves the crossover), and the second round costs time only where oneDNN won.
+    `timings` is updated in place.
+    """
+    crossover = crossover_rows(timings)
+    for rows in [r for r in sorted(timings) if r >= crossover]:
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        with torch.inference_mode():
+            again = time_pair(partial(blocked, x), partial(onednn, x))
+        timings[rows] = (min(timings[rows][0], again[0]), min(timings[rows][1], again[1]))
+    return crossover_rows(timings)
 
 
 def onednn_from_rows(weight: torch.Tensor, blocked: Matmul, onednn: Matmul) -> int:
