@@ -26,6 +26,7 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors",
+    "Event": "events",  # a Rolling upgrade past its deadline (rollout.py)
     "Job": "jobs",  # the shared model cache's filler (model_cache.py)
     "PersistentVolumeClaim": "persistentvolumeclaims",
 }

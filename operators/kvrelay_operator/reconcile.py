@@ -3,22 +3,24 @@ by draining first, retire old revisions, read the children back, write the statu
 same steps run on create, update, resume and every resync tick, so a missed event costs
 nothing but a delay.
 
-The decisions are in the pure modules (`desired`, `drain`, `revision`, `status`); this
-file only sequences the API calls around them.
+While a Rolling upgrade replaces the routers' revision, its reconcile is `_apply_rolling`
+(rollout.py, rolling.py); otherwise the same path serves create, resize and BlueGreen.
+
+The decisions are in the pure modules (`desired`, `drain`, `revision`, `rolling`, `status`);
+this file only sequences the API calls around them.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kvrelay_operator.autoscale import parse_rfc3339, rfc3339
+from kvrelay_operator.autoscale import rfc3339
 from kvrelay_operator.desired import apply_body, desired_kv_secret, desired_objects, stale_kinds
-from kvrelay_operator.drain import PodInfo, ScaleDown, Step, WorkerInfo, next_step
+from kvrelay_operator.drain import Step
 from kvrelay_operator.errors import PermanentError, RetryableError, SpecError
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.names import (
@@ -33,9 +35,18 @@ from kvrelay_operator.names import (
     raycluster_name,
     router_name,
 )
+from kvrelay_operator.podparts import Obj
+from kvrelay_operator.pool_steps import RAY, Context, observed_pool_replicas, plan_pools
 from kvrelay_operator.ray_access import ensure_ray_auth_secret
 from kvrelay_operator.revision import clusters_to_retire, revision_hash
-from kvrelay_operator.router_admin import RouterAdmin, admin_url
+from kvrelay_operator.rollout import (
+    after_switch,
+    emit,
+    plan_rollout,
+    resized_cluster,
+    serving_revision,
+)
+from kvrelay_operator.router_admin import admin_url
 from kvrelay_operator.spec import ServiceSpec, parse_service
 from kvrelay_operator.status import (
     Counts,
@@ -48,28 +59,6 @@ from kvrelay_operator.status import (
 )
 
 log = logging.getLogger(__name__)
-
-RAY = ("ray.io/v1", "RayCluster")
-
-
-@dataclass
-class Context:
-    """What a reconcile needs besides the service: the API, the default image, the clock,
-    and how to reach a service's routers (tests point it at a local server)."""
-
-    kube: Kube
-    default_image: str
-    now: float
-    router_url: Callable[[ServiceSpec], str] = field(default=admin_url)
-
-
-def observed_pool_replicas(kube: Kube, spec: ServiceSpec) -> dict[str, int | None]:
-    """Each pool's KVRelayPool `spec.replicas`, None where the pool does not exist yet."""
-    out: dict[str, int | None] = {}
-    for pool in POOLS:
-        obj = kube.get(API_VERSION, POOL_KIND, spec.namespace, pool_name(spec.name, pool))
-        out[pool] = None if obj is None else int((obj.get("spec") or {}).get("replicas", 0))
-    return out
 
 
 def observe(kube: Kube, spec: ServiceSpec, revision: str, sizes: Mapping[str, int]) -> Observed:
@@ -94,71 +83,6 @@ def observe(kube: Kube, spec: ServiceSpec, revision: str, sizes: Mapping[str, in
         router=router,
         load_balancer_host=load_balancer_host(service),
     )
-
-
-def _pod_info(pod: Mapping[str, Any]) -> PodInfo:
-    meta = pod.get("metadata") or {}
-    conditions = (pod.get("status") or {}).get("conditions") or ()
-    return PodInfo(
-        name=str(meta.get("name", "")),
-        ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
-        terminating=bool(meta.get("deletionTimestamp")),
-        created=str(meta.get("creationTimestamp", "")),
-    )
-
-
-def _group_sizes(cluster: Mapping[str, Any] | None) -> dict[str, int]:
-    groups = ((cluster or {}).get("spec") or {}).get("workerGroupSpecs") or ()
-    return {str(g["groupName"]): int(g.get("replicas", 0)) for g in groups}
-
-
-def _router_api_key(kube: Kube, spec: ServiceSpec) -> str:
-    if not spec.router.api_key_secret:
-        return ""
-    try:
-        secret = kube.get("v1", "Secret", spec.namespace, spec.router.api_key_secret)
-    except PermanentError as exc:
-        if exc.status != 403:
-            raise
-        # rbac.secrets off: the drain is refused (401) and the shrink waits for its timeout.
-        log.warning("%s: cannot read the router's API key to drain workers: %s", spec.name, exc)
-        return ""
-    value = ((secret or {}).get("data") or {}).get(spec.router.api_key_key, "")
-    return base64.b64decode(value).decode() if value else ""
-
-
-def plan_pools(
-    ctx: Context, spec: ServiceSpec, revision: str, wanted: Mapping[str, int], previous: Any
-) -> dict[str, Step]:
-    """Each pool's step (drain.next_step), draining through the router where one starts."""
-    kube, ns = ctx.kube, spec.namespace
-    cluster = kube.get(*RAY, ns, raycluster_name(spec.name, revision))
-    groups = _group_sizes(cluster)
-    scale_down = (previous or {}).get("scaleDown") or {}
-    if (previous or {}).get("generation") != revision:
-        scale_down = {}  # a shrink of the old revision's cluster: that cluster is retiring
-    admin: RouterAdmin | None = None
-    workers: list[WorkerInfo] | None = None
-    steps = {}
-    for pool in POOLS:
-        raw = scale_down.get(pool)
-        record = ScaleDown.from_status(raw, parse_rfc3339((raw or {}).get("startedAt")))
-        group = groups.get(pool) if cluster is not None else None
-        if record is None and (group is None or wanted[pool] >= group):
-            steps[pool] = Step(group_replicas=wanted[pool])
-            continue
-        pods = [
-            _pod_info(p)
-            for p in kube.list("v1", "Pod", ns, pool_selector(spec.name, pool, revision))
-        ]
-        if admin is None:
-            admin = RouterAdmin(ctx.router_url(spec), _router_api_key(kube, spec))
-            workers = admin.workers()
-        timeout = spec.pool(pool).drain_timeout_s
-        steps[pool] = step = next_step(wanted[pool], group, record, pods, workers, ctx.now, timeout)
-        if step.drain:
-            admin.drain(step.drain)
-    return steps
 
 
 def _ensure_kv_secret(kube: Kube, spec: ServiceSpec) -> None:
@@ -192,22 +116,43 @@ def _delete_stale(kube: Kube, spec: ServiceSpec) -> None:
             log.debug("no rights to delete %s/%s: %s", kind, name, exc)
 
 
-def retire_revisions(kube: Kube, spec: ServiceSpec, revision: str) -> list[str]:
-    """Delete the RayClusters of older revisions that no router pod uses any more."""
+def retire_revisions(
+    kube: Kube, spec: ServiceSpec, revision: str, keep: tuple[str, ...] = ()
+) -> list[str]:
+    """Delete the RayClusters of older revisions that no router pod uses any more (nor
+    `keep` names)."""
     ns = spec.namespace
     clusters = kube.list(*RAY, ns, component_selector(spec.name, "ray"))
     routers = kube.list("v1", "Pod", ns, component_selector(spec.name, "router"))
-    retired = clusters_to_retire(clusters, routers, revision)
+    retired = clusters_to_retire(clusters, routers, revision, keep)
     for name in retired:
         log.info("%s/%s: retiring RayCluster %s (no router uses it)", ns, spec.name, name)
         kube.delete(*RAY, ns, name)
     return retired
 
 
-def _apply_children(
-    ctx: Context, spec: ServiceSpec, revision: str, previous: Any
-) -> tuple[dict[str, int], dict[str, Step]]:
-    """Apply every child; returns each pool's wanted size and its step."""
+@dataclass
+class Applied:
+    """What one reconcile applied: each pool's size, each serving pool's step, the revision
+    the routers serve, and a Rolling upgrade's status and condition (None without one)."""
+
+    wanted: dict[str, int]
+    steps: dict[str, Step]
+    serving: str
+    rollout: Obj | None = None
+    progressing: Obj | None = None
+
+
+def _apply_all(kube: Kube, objects: list[Obj], observed: Mapping[str, int | None]) -> None:
+    for obj in objects:
+        if obj["kind"] == POOL_KIND and observed[obj["spec"]["pool"]] is None:
+            # Created (not applied) with its first size, so spec.replicas is not ours to keep.
+            kube.create(obj)
+        kube.apply(apply_body(obj))
+
+
+def _apply_children(ctx: Context, spec: ServiceSpec, target: str, previous: Any) -> Applied:
+    """Apply every child: the serving revision's (today's path), or a Rolling upgrade's."""
     kube = ctx.kube
     _ensure_kv_secret(kube, spec)
     ensure_ray_auth_secret(kube, spec)
@@ -215,21 +160,57 @@ def _apply_children(
     wanted = {
         pool: spec.pool(pool).replicas if size is None else size for pool, size in observed.items()
     }
-    steps = plan_pools(ctx, spec, revision, wanted, previous)
+    serving = serving_revision(kube, spec, previous, target)
+    if serving != target:
+        return _apply_rolling(ctx, spec, (serving, target), previous, observed, wanted)
+    sizes, record, condition = after_switch(kube, spec, previous, target, wanted)
+    steps = plan_pools(ctx, spec, target, sizes, previous)
     objects = desired_objects(
         spec,
         observed,
         {pool: step.group_replicas for pool, step in steps.items()},
         {pool: step.workers_to_delete for pool, step in steps.items()},
     )
-    for obj in objects:
-        if obj["kind"] == POOL_KIND and observed[obj["spec"]["pool"]] is None:
-            # Created (not applied) with its first size, so spec.replicas is not ours to keep.
-            kube.create(obj)
-        kube.apply(apply_body(obj))
+    _apply_all(kube, objects, observed)
     _delete_stale(kube, spec)
-    retire_revisions(kube, spec, revision)
-    return wanted, steps
+    retire_revisions(kube, spec, target)
+    return Applied(wanted, steps, target, record, condition)
+
+
+def _apply_rolling(
+    ctx: Context,
+    spec: ServiceSpec,
+    revisions: tuple[str, str],
+    previous: Any,
+    observed: Mapping[str, int | None],
+    wanted: dict[str, int],
+) -> Applied:
+    """A Rolling upgrade's reconcile: the new RayCluster at the roll's sizes, the old one
+    shrunk by draining (re-applied as the API holds it), the router Deployment left on the
+    old revision until the switch (rollout.py)."""
+    kube, (serving, target) = ctx.kube, revisions
+    outcome = plan_rollout(kube, spec, previous, revisions, wanted, ctx.now)
+    steps = plan_pools(ctx, spec, serving, outcome.old_wanted, previous)
+    switch = outcome.serving == target
+    objects = [
+        obj
+        for obj in desired_objects(spec, observed, outcome.new_groups or {})
+        if not (obj["kind"] == "Deployment" and not switch)
+        and not (obj["kind"] == "RayCluster" and outcome.new_groups is None)
+    ]
+    _apply_all(kube, objects, observed)
+    live = kube.get(*RAY, spec.namespace, raycluster_name(spec.name, serving))
+    if live is not None:
+        kube.apply(resized_cluster(live, steps))
+    _delete_stale(kube, spec)
+    if outcome.new_groups is None:  # rolled back: the new RayCluster goes
+        retire_revisions(kube, spec, serving)
+    else:
+        retire_revisions(kube, spec, target, keep=(serving,))
+    emit(kube, spec, outcome.events, ctx.now, target)
+    if switch:  # the old revision's shrinks end with its RayCluster
+        steps = {pool: Step(group_replicas=step.group_replicas) for pool, step in steps.items()}
+    return Applied(wanted, steps, outcome.serving, outcome.record, outcome.condition)
 
 
 def reconcile(
@@ -255,21 +236,24 @@ def reconcile(
     except SpecError as exc:
         _write_error_status(kube, body, "InvalidSpec", str(exc), stamp)
         raise PermanentError(str(exc)) from exc
-    revision = revision_hash(spec)
     try:
-        sizes, steps = _apply_children(ctx, spec, revision, previous)
+        applied = _apply_children(ctx, spec, revision_hash(spec), previous)
     except (RetryableError, PermanentError) as exc:
         reason = "ApplyRetrying" if isinstance(exc, RetryableError) else "ApplyFailed"
         _write_error_status(kube, body, reason, str(exc), stamp)
         raise
-    observed = observe(kube, spec, revision, sizes)
-    status = service_status(spec, observed, previous, stamp)
-    status["generation"] = revision  # the CRD status field keeps its name
+    serving = applied.serving
+    observed = observe(kube, spec, serving, applied.wanted)
+    extra = [applied.progressing] if applied.progressing else []
+    status = service_status(spec, observed, previous, stamp, extra)
+    status["generation"] = serving  # the CRD status field keeps its name
+    if applied.rollout is not None:
+        status["rollout"] = applied.rollout
     status["scaleDown"] = {
         pool: None
         if step.record is None
         else step.record.to_status(rfc3339(step.record.started_at))
-        for pool, step in steps.items()
+        for pool, step in applied.steps.items()
     }
     kube.patch_status(API_VERSION, SERVICE_KIND, namespace, name, status)
     for pool in POOLS:
@@ -278,7 +262,7 @@ def reconcile(
             POOL_KIND,
             namespace,
             pool_name(name, pool),
-            pool_status(spec, pool, revision, observed.pools[pool]),
+            pool_status(spec, pool, serving, observed.pools[pool]),
         )
     return observed
 

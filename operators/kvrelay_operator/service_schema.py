@@ -18,6 +18,7 @@ from kvrelay_operator.schema_parts import (
     string,
 )
 from kvrelay_operator.schema_rdma import kv_transfer_schema
+from kvrelay_operator.schema_upgrade import rollout_status_schema, upgrade_schema
 from kvrelay_operator.spec import (
     DNS_1035,
     HUB_ID_PATTERN,
@@ -177,6 +178,7 @@ def _service_spec() -> Schema:
             "kvTransfer": kv_transfer_schema(),
             "ray": _ray_schema(),
             "monitoring": _monitoring_schema(),
+            "upgrade": upgrade_schema(),
         },
     }
 
@@ -383,6 +385,7 @@ def _service_status() -> Schema:
                 "properties": {"prefill": planner_pool, "decode": planner_pool},
             },
             "generation": string("The worker generation the routers serve (a hash)."),
+            "rollout": rollout_status_schema(),
             "scaleDown": {
                 "type": "object",
                 "description": "Shrinks in progress: the pods being drained, per pool.",

@@ -15,6 +15,7 @@ from typing import Any
 from kvrelay_operator.errors import SpecError
 from kvrelay_operator.model_cache import ModelCache
 from kvrelay_operator.rdma import TransportSettings
+from kvrelay_operator.upgrade import UpgradeSpec
 
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
 # A Service name (`<name>-router`) and KubeRay's names must be DNS-1035 labels: a lowercase
@@ -319,8 +320,11 @@ class ServiceSpec:
     service_monitor: bool = False
     service_monitor_interval: str = "15s"
     service_monitor_labels: Mapping[str, str] = field(default_factory=dict)
-    # The kvrelay the operator runs: part of the revision, since it shapes the pods.
+    # The kvrelay the operator runs. Not part of the revision: what it puts into the pods
+    # is, through the rendered pod templates (revision.py), so an operator upgrade that
+    # renders the same pods rolls nothing.
     kvrelay_version: str = ""
+    upgrade: UpgradeSpec = field(default_factory=UpgradeSpec)
 
     @property
     def transfer_backend(self) -> str:
@@ -379,4 +383,5 @@ def parse_service(
         service_monitor_interval=str(monitor.get("interval", "15s")),
         service_monitor_labels=dict(monitor.get("labels") or {}),
         kvrelay_version=installed_version() if kvrelay_version is None else kvrelay_version,
+        upgrade=UpgradeSpec.parse(spec.get("upgrade") or {}),
     )

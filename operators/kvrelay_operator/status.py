@@ -123,7 +123,11 @@ def merge_conditions(
 
 
 def service_status(
-    spec: ServiceSpec, observed: Observed, previous: Mapping[str, Any], now: str
+    spec: ServiceSpec,
+    observed: Observed,
+    previous: Mapping[str, Any],
+    now: str,
+    extra: Sequence[Obj] = (),
 ) -> Obj:
     """The status to write on the service.
 
@@ -132,13 +136,14 @@ def service_status(
         observed: its children as seen now.
         previous: the status it has now (conditions keep their transition times).
         now: an RFC 3339 timestamp for conditions that change.
+        extra: more conditions (a Rolling upgrade's Progressing, rollout.py).
     """
     pools = [_pool_condition(pool, observed) for pool in POOLS]
     router = _router_condition(observed)
     parts = [*pools, router]
     conditions = merge_conditions(
         previous.get("conditions") or (),
-        [_ready_condition(parts, observed), *parts],
+        [_ready_condition(parts, observed), *parts, *extra],
         spec.generation,
         now,
     )

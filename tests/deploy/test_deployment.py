@@ -65,6 +65,9 @@ def deployment() -> Iterator[dict[str, Any]]:
         _router_pod(fake, "chat-router-old", old)
         upgraded = copy.deepcopy(fake.objects[path])
         upgraded["spec"]["image"] = "registry.local/kvrelay:0.2.0"
+        # Blue/green: both revisions at full size in one reconcile, every object to check
+        # (tests/operator/test_rolling_upgrade.py walks a Rolling upgrade step by step).
+        upgraded["spec"]["upgrade"] = {"strategy": "BlueGreen"}
         upgraded["metadata"]["generation"] = 2
         fake.put(path, upgraded)
         reconcile(

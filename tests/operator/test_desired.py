@@ -255,8 +255,16 @@ NEW = "new"  # and of the spec after it
         ({}, []),
         ({"router": {"replicas": 4}}, [("apps/v1", "Deployment", "demo-router")]),
         ({"router": {"serviceType": "NodePort"}}, [("v1", "Service", "demo-router")]),
-        # Placement is not engine behaviour: the same revision's cluster changes in place.
-        ({"decode": {"cpusPerWorker": 8}}, [("ray.io/v1", "RayCluster", OLD)]),
+        # A worker pod setting is a new revision too: KubeRay never recreates running pods,
+        # so an in-place template change would never reach them (revision.py).
+        (
+            {"decode": {"cpusPerWorker": 8}},
+            [
+                ("apps/v1", "Deployment", "demo-router"),
+                ("ray.io/v1", "RayCluster", OLD),
+                ("ray.io/v1", "RayCluster", NEW),
+            ],
+        ),
         # A new revision: a new RayCluster beside the old, and the router rolls to it.
         (
             {"kvTransfer": {"backend": "grpc"}},

@@ -152,8 +152,9 @@ def test_a_new_revision_gets_its_own_cluster_and_the_old_one_goes_after_the_rout
     api: tuple[FakeApi, Kube],
 ) -> None:
     fake, kube = api
-    old_spec = {"image": "kvrelay:1"}
-    new_spec = {"image": "kvrelay:2"}
+    blue_green = {"strategy": "BlueGreen"}
+    old_spec = {"image": "kvrelay:1", "upgrade": blue_green}
+    new_spec = {"image": "kvrelay:2", "upgrade": blue_green}
     old_rev, new_rev = revision_hash(service(old_spec)), revision_hash(service(new_spec))
     old, new = f"{RAYS}/{cluster_of(old_spec)}", f"{RAYS}/{cluster_of(new_spec)}"
     fake.put(SVC, service_body(old_spec))

@@ -1,5 +1,5 @@
-"""Worker revisions (defect 4): the hash changes exactly with what changes an engine, and
-old revisions are retired only when no router pod uses them."""
+"""Worker revisions (defect 4, issue 43): the hash changes exactly with what changes an
+engine or a worker pod, and old revisions are retired only when no router pod uses them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from kvrelay_operator.names import REVISION_LABEL, raycluster_name
 from kvrelay_operator.revision import clusters_to_retire, revision_hash, revision_of
 from kvrelay_operator.spec import parse_service
-from tests.operator.services import IMAGE, service, service_body
+from tests.operator.services import service, service_body
 
 BASE = revision_hash(service({}))
 
@@ -40,25 +40,83 @@ def test_what_changes_an_engine_changes_the_revision(change: dict[str, Any]) -> 
     assert revision_hash(service(change)) != BASE
 
 
-def test_the_kvrelay_version_changes_the_revision() -> None:
-    body = service_body({})
-    assert revision_hash(parse_service(body, IMAGE, "1.0.0")) != revision_hash(
-        parse_service(body, IMAGE, "1.0.1")
-    )
+@pytest.mark.parametrize(
+    "change",
+    [
+        # Every worker pod setting: KubeRay never recreates a running pod when its template
+        # changes, so each of these must be a new revision to reach running pods.
+        {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
+        {"prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
+        {"decode": {"resources": {"limits": {"memory": "8Gi"}}}},
+        {"prefill": {"cpusPerWorker": 8}},
+        {"kvTransfer": {"ucx": {"tls": "rc,cuda_copy"}}},
+        {"kvTransfer": {"ucx": {"netDevices": "mlx5_0:1"}}},
+        {"kvTransfer": {"rdma": {"resources": {"rdma/ib": 1}}}},
+        {"kvTransfer": {"rdma": {"resources": {"rdma/ib": 1}, "ipcLock": False}}},
+        {"kvTransfer": {"hostNetwork": True}},
+        {"imagePullSecrets": [{"name": "regcred"}]},
+        {"decode": {"imagePullSecrets": [{"name": "regcred"}]}},
+        {"decode": {"nodeSelector": {"gpu": "h100"}}},
+        {"prefill": {"tolerations": [{"key": "gpu", "operator": "Exists"}]}},
+        {"decode": {"priorityClassName": "serving"}},
+        {"decode": {"runtimeClassName": "nvidia"}},
+        {"imagePullPolicy": "Always"},
+        {"ray": {"head": {"resources": {"limits": {"cpu": "4"}}}}},
+    ],
+)
+def test_every_worker_pod_setting_changes_the_revision(change: dict[str, Any]) -> None:
+    assert revision_hash(service(change)) != BASE
+
+
+def test_a_pod_setting_added_later_is_covered_without_listing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hash is over the rendered pod templates, not a hand-kept list of fields: a new
+    env variable (or volume, capability...) that podparts.py starts to render is a new
+    revision with no change to revision.py."""
+    from kvrelay_operator import podparts
+
+    render = podparts.worker_env
+
+    def with_more(spec: Any) -> list[dict[str, Any]]:
+        return [*render(spec), {"name": "UCX_RNDV_THRESH", "value": "8192"}]
+
+    monkeypatch.setattr(podparts, "worker_env", with_more)
+    assert revision_hash(service({})) != BASE
+
+
+def test_an_operator_upgrade_that_renders_the_same_pods_rolls_nothing() -> None:
+    """The operator's own kvrelay version is no input: what it puts into pods is (upgrade.py),
+    so a `helm upgrade` of the operator alone does not roll a service that pins its image."""
+    body = service_body({"image": "registry.example/kvrelay:0.1.0"})
+    before = revision_hash(parse_service(body, "registry.example/kvrelay:0.1.0", "1.0.0"))
+    after = revision_hash(parse_service(body, "registry.example/kvrelay:0.2.0", "1.0.1"))
+    assert before == after
+
+
+def test_a_new_operator_default_image_rolls_only_the_services_that_follow_it() -> None:
+    """`spec.image` empty: the service takes the operator's default image, and a new default
+    is a new revision; a pinned `spec.image` decides for itself."""
+    follows, pins = service_body({}), service_body({"image": "registry.example/kvrelay:0.1.0"})
+    old, new = "registry.example/kvrelay:0.1.0", "registry.example/kvrelay:0.2.0"
+    assert revision_hash(parse_service(follows, old)) != revision_hash(parse_service(follows, new))
+    assert revision_hash(parse_service(pins, old)) == revision_hash(parse_service(pins, new))
 
 
 @pytest.mark.parametrize(
     "change",
     [
         {"decode": {"replicas": 5}},
-        {"prefill": {"cpusPerWorker": 8}},
         {"router": {"replicas": 4}},
-        {"decode": {"resources": {"limits": {"memory": "8Gi"}}}},
-        {"decode": {"autoscaling": {"enabled": True}}},
+        {"router": {"resources": {"limits": {"cpu": "2"}}}},
+        {"decode": {"autoscaling": {"enabled": True, "maxReplicas": 9}}},
+        {"decode": {"drainTimeoutSeconds": 60}},
         {"monitoring": {"serviceMonitor": {"enabled": True}}},
+        {"upgrade": {"strategy": "BlueGreen", "maxSurge": 3}},
     ],
 )
-def test_sizes_and_placement_do_not(change: dict[str, Any]) -> None:
+def test_sizes_and_router_settings_do_not(change: dict[str, Any]) -> None:
+    """A resize is drained in place (drain.py); the router Deployment rolls its own pods."""
     assert revision_hash(service(change)) == BASE
 
 
