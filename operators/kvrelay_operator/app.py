@@ -13,7 +13,7 @@ import argparse
 import secrets
 import sys
 
-from kvrelay_operator.env import IMAGE, PEERING
+from kvrelay_operator.env import IMAGE, PEERING, PULL_SECRETS
 
 
 def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +33,14 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
         "--image",
         default=IMAGE.get(),
         help="image of the pods when a service names none (default $KVRELAY_IMAGE)",
+    )
+    parser.add_argument(
+        "--image-pull-secret",
+        action="append",
+        default=[s for s in PULL_SECRETS.get().split(",") if s],
+        metavar="NAME",
+        help="a Secret every service pod pulls its image with, besides the service's own "
+        "imagePullSecrets (repeatable; default $KVRELAY_IMAGE_PULL_SECRETS, comma-separated)",
     )
     parser.add_argument(
         "--probe-host",
@@ -111,7 +119,10 @@ def run_operator(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.probe_host, registry=metrics.registry)
     state = OperatorState(
-        kube=Kube(kubernetes.client.ApiClient()), default_image=args.image, metrics=metrics
+        kube=Kube(kubernetes.client.ApiClient()),
+        default_image=args.image,
+        metrics=metrics,
+        pull_secrets=tuple(dict.fromkeys(args.image_pull_secret)),
     )
     kopf.run(
         registry=build_registry(args.resync_seconds, args.planner_seconds),

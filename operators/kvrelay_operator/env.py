@@ -71,4 +71,13 @@ PEERING = EnvVar(
     "the operator's `--peering`: the kopf peering object its replicas share (the chart creates it)",
 )
 
-REGISTRY: tuple[EnvVar, ...] = (IMAGE, PEERING)
+PULL_SECRETS = EnvVar(
+    "KVRELAY_IMAGE_PULL_SECRETS",
+    "comma-separated names",
+    "",
+    "the operator's `--image-pull-secret`s: Secrets every pod of every service pulls with, "
+    "besides the service's own (the chart passes its `imagePullSecrets`)",
+    unset="none",
+)
+
+REGISTRY: tuple[EnvVar, ...] = (IMAGE, PEERING, PULL_SECRETS)

@@ -58,6 +58,8 @@ class OperatorState:
     samples: dict[tuple[str, str], RouterSample | None] = field(default_factory=dict)
     # How to reach a service's routers' admin API (the Service's cluster DNS name).
     router_url: Callable[[ServiceSpec], str] = admin_url
+    # Pull secrets of every service pod (the chart's imagePullSecrets), besides the service's.
+    pull_secrets: tuple[str, ...] = ()
 
 
 @contextmanager
@@ -78,7 +80,20 @@ def _kopf_errors(state: OperatorState) -> Iterator[None]:
 DRAIN_POLL_SECONDS = 5.0
 
 
+def with_operator_pull_secrets(body: Mapping[str, Any], secrets: tuple[str, ...]) -> Any:
+    """`body` as reconcile reads it: the operator's pull secrets after the service's own
+    `spec.imagePullSecrets` (a copy; kopf's body is left alone)."""
+    if not secrets:
+        return body
+    spec = dict(body.get("spec") or {})
+    own = [dict(ref) for ref in spec.get("imagePullSecrets") or ()]
+    names = {ref.get("name") for ref in own}
+    spec["imagePullSecrets"] = own + [{"name": s} for s in secrets if s not in names]
+    return {**body, "spec": spec}
+
+
 def _reconcile(body: Mapping[str, Any], state: OperatorState) -> None:
+    body = with_operator_pull_secrets(body, state.pull_secrets)
     with _kopf_errors(state):
         reconcile(state.kube, body, state.default_image, time.time(), state.router_url)
 

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay_operator.env import CACHE_DIR_ENV
 from kvrelay_operator.errors import SpecError
 
 Obj = dict[str, Any]
@@ -52,7 +53,8 @@ INTRA_NODE_TLS = (
 INTRA_ONLY_TLS = rf"^\s*({INTRA_NODE_TLS})\s*(,\s*({INTRA_NODE_TLS})\s*)*$"
 # Set through their own fields (ucx.tls / ucx.netDevices) or by the operator itself.
 _UCX_OWN = ("UCX_TLS", "UCX_NET_DEVICES")
-RESERVED_ENV_PREFIXES = ("KVRELAY_", "RAY_", "UCX_")
+# kvrelay's own prefix, as env.py's names spell it.
+RESERVED_ENV_PREFIXES = (CACHE_DIR_ENV.split("_")[0] + "_", "RAY_", "UCX_")
 RESERVED_ENV = ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN", "OMP_NUM_THREADS")
 # KubeRay runs `$KUBERAY_GEN_RAY_START_CMD` itself unless a template carries this.
 OVERWRITE_CMD = "ray.io/overwrite-container-cmd"

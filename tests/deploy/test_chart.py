@@ -104,13 +104,15 @@ def test_default_install(chart: helm.Chart) -> None:
         "ConfigMap",
         "Deployment",
         "Job",
+        "PodDisruptionBudget",
         "Service",
         "ServiceAccount",
     ]
     (deployment,) = kinds["Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["image"] == "kvrelay:0.1.0"
+    # The slim operator image (test_operator_image.py); services keep the chart's image.
+    assert container["image"] == "kvrelay-operator:0.1.0"
     command = container["command"]
     # The operator's own entry point (no torch), peered under the peering object's name.
     (peering,) = kinds["ClusterKopfPeering"]
@@ -212,7 +214,7 @@ def test_crds_are_upgraded_by_a_pre_upgrade_hook(chart: helm.Chart) -> None:
     (job,) = [o for o in hooks if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["python", "-m", "kvrelay_operator.crds", "--apply"]
-    assert container["image"] == "kvrelay:0.1.0"
+    assert container["image"] == "kvrelay-operator:0.1.0"  # the slim operator image
     (role,) = [o for o in hooks if o["kind"] == "ClusterRole"]
     (rule,) = role["rules"]
     assert rule["verbs"] == ["get", "patch"]
@@ -256,13 +258,14 @@ def test_example_service_validates_against_its_crd(chart: helm.Chart) -> None:
     (example,) = kinds["KVRelayService"]
     assert example["metadata"]["name"] == "chat"
     assert example["spec"]["prefill"]["replicas"] == 2
-    image = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
-    assert image == "my.registry/kvrelay:1.2.3"
+    # The services' image (the operator runs its own: test_operator_image.py).
+    command = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--image") + 1] == "my.registry/kvrelay:1.2.3"
 
 
 def test_minimal_install_uses_the_existing_service_account(chart: helm.Chart) -> None:
     kinds = _kinds(render(chart, VALUES["minimal"]))
-    assert sorted(kinds) == ["ClusterKopfPeering", "Deployment", "Service"]
+    assert sorted(kinds) == ["ClusterKopfPeering", "Deployment", "PodDisruptionBudget", "Service"]
     (deployment,) = kinds["Deployment"]
     assert deployment["metadata"]["name"] == "relay-operator"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "existing"

@@ -58,6 +58,7 @@ def test_stages_chain_build_kernels_and_a_slim_final_image() -> None:
         "kernels-cuda",
         "kernels-cpu",
         "kernels",
+        "operator",  # --target operator (test_operator_image.py); never the default build
         "final",
     ]
     assert stages["cuda-toolkit"][0][1].startswith("nvidia/cuda:${CUDA_VERSION}-devel-")
@@ -77,7 +78,8 @@ def test_a_cpu_image_stays_possible() -> None:
         if word == "ARG" and "=" in rest
     )
     assert args["KERNELS"] == "cuda"
-    assert [w for w, _ in _stages()["kernels-cpu"]] == ["FROM"]  # the build stage as is
+    # The build stage plus the CPU kernels built in (test_operator_image.py).
+    assert _stages()["kernels-cpu"][0] == ("FROM", "build AS kernels-cpu")
     assert "PIP_EXTRA_INDEX_URL" in _text("build")
 
 

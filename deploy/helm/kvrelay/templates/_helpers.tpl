@@ -50,6 +50,11 @@ app.kubernetes.io/part-of: kvrelay
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* The operator's image (the Dockerfile's `operator` target), apart from the services'. */}}
+{{- define "kvrelay.operatorImage" -}}
+{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) }}
+{{- end }}
+
 {{/* The kopf peering object the operator's replicas share. */}}
 {{- define "kvrelay.peeringName" -}}
 {{- default (include "kvrelay.operatorName" .) .Values.operator.peeringName }}
