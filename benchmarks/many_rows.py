@@ -35,8 +35,13 @@ import torch.nn.functional as F
 from kvrelay import SamplingParams
 from kvrelay.llm import LLM
 from kvrelay.models.cpu_features import cpu_feature_summary
-from kvrelay.models.layers import blocked_of, run_blocked
-from kvrelay.models.many_rows import MANY_ROWS_ENV, _time_pair, confirmed_crossover
+from kvrelay.models.layers import Linear, blocked_of, run_blocked
+from kvrelay.models.many_rows import (
+    MANY_ROWS_ENV,
+    NEVER,
+    _time_pair,
+    confirmed_crossover,
+)
 
 # SmolLM2-135M: hidden 576, 9 heads and 3 KV heads of 64, intermediate 1536, vocab 49152.
 SHAPES = {
@@ -108,6 +113,15 @@ def new_engine(model: str | None, path: str) -> LLM:
     return LLM(model, dtype="bfloat16", kv_cache_memory="256MiB")
 
 
+def crossovers(llm: LLM) -> str:
+    """Each weight shape's row count from which the engine's model takes oneDNN."""
+    model: Any = llm.engine.runner.model
+    found = {tuple(m.weight.shape): m.onednn_from_rows for m in model.modules()
+             if isinstance(m, Linear)}  # fmt: skip
+    cells = [f"{list(s)}: {'never' if rows == NEVER else rows}" for s, rows in found.items()]
+    return ", ".join(cells)
+
+
 def prompt_ids(llm: LLM, seed: int) -> list[int]:
     vocab = llm.get_tokenizer().vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -141,24 +155,25 @@ def ttft_table(engines: dict[str, LLM], rounds: int) -> list[str]:
     return lines
 
 
-# cProfile's function names -> op class; the first match wins, the rest is host time.
+# cProfile's function names -> op class; the first match wins, the rest is host time (Python,
+# tensor bookkeeping, scheduling). kvrelay's C++ kernels show as built-ins named by function.
 CLASSES = (
     ("matmuls", ("blocked_matmul", "linear", "_linear_pointwise", "matmul", "addmm")),
-    ("attention", ("attention", "paged", "prefill", "sdpa", "flash")),
+    ("rope / kv write", ("rope", "rotary", "cos_sin", "write_kv", "reshape_and_cache")),
+    ("attention", ("attention", "_chunk_attention", "sdpa", "flash")),
     ("norms", ("rms_norm", "add_rms_norm")),
     ("activation", ("silu_and_mul", "silu", "gelu")),
-    ("rope / kv write", ("rope", "rotary", "cos_sin", "write_kv", "reshape_and_cache")),
     ("sampling / logits", ("sample", "logits", "argmax", "softmax", "topk", "top_k")),
 )
 
 
 def classify(function: tuple[str, int, str]) -> str:
-    filename, _, name = function
-    text = f"{filename}:{name}".lower()
+    """The op class of a cProfile entry `(file, line, name)`."""
+    name = function[2].lower()
     for op_class, keys in CLASSES:
-        if any(key in name.lower() for key in keys):
+        if any(key in name for key in keys):
             return op_class
-    return "host" if "built-in" not in text else "host (built-ins)"
+    return "host"
 
 
 def profile_table(llm: LLM, runs: int) -> list[str]:
@@ -196,6 +211,8 @@ def main() -> None:
     if "ttft" in args.skip and "profile" in args.skip:
         return
     engines = {path: new_engine(args.model, path) for path in args.paths}
+    for path, llm in engines.items():
+        print(f"{MANY_ROWS_ENV}={path}: oneDNN from rows {crossovers(llm)}")
     if "ttft" not in args.skip:
         print(f"\nTTFT of a {PROMPT_TOKENS}-token prompt, 1 stream, bf16, {args.rounds} rounds:")
         print("\n".join(ttft_table(engines, args.rounds)))
