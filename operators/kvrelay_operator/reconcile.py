@@ -44,6 +44,7 @@ from kvrelay_operator.rollout import (
     emit,
     plan_rollout,
     resized_cluster,
+    rollout_status,
     serving_revision,
 )
 from kvrelay_operator.router_admin import admin_url
@@ -248,7 +249,7 @@ def reconcile(
     status = service_status(spec, observed, previous, stamp, extra)
     status["generation"] = serving  # the CRD status field keeps its name
     if applied.rollout is not None:
-        status["rollout"] = applied.rollout
+        status["rollout"] = rollout_status(applied.rollout)
     status["scaleDown"] = {
         pool: None
         if step.record is None

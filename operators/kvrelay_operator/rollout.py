@@ -41,6 +41,23 @@ from kvrelay_operator.rolling import Side, capped_growth, plan_roll, progress_ma
 from kvrelay_operator.spec import ServiceSpec
 
 ROLLING, SWITCHED, COMPLETE, ROLLED_BACK = "Rolling", "Switched", "Complete", "RolledBack"
+# status.rollout's fields (schema_upgrade.py); each is written, null where unused, so that a
+# merge patch drops what an earlier phase left (a rolled-back roll's specGeneration...).
+ROLLOUT_FIELDS = (
+    "from",
+    "to",
+    "phase",
+    "newGroups",
+    "progressMark",
+    "progressAt",
+    "specGeneration",
+    "message",
+)
+
+
+def rollout_status(record: Mapping[str, Any]) -> Obj:
+    """`record` as the status patch writes it: every field, None where it has none."""
+    return {key: record.get(key) for key in ROLLOUT_FIELDS}
 
 
 def serving_revision(
@@ -257,10 +274,10 @@ def after_switch(
     older revisions' pods remain), and the rollout record and condition (None, None when no
     Rolling upgrade ever ran)."""
     others = other_clusters(kube, spec, target)
-    groups = group_sizes(kube.get(*RAY, spec.namespace, raycluster_name(spec.name, target)))
-    held = sum(_held_pods(kube, spec, revision_of(c)) for c in others)
     sizes = dict(wanted)
     if others and spec.upgrade.rolling:
+        groups = group_sizes(kube.get(*RAY, spec.namespace, raycluster_name(spec.name, target)))
+        held = sum(_held_pods(kube, spec, revision_of(c)) for c in others)
         current = {pool: groups.get(pool, 0) for pool in POOLS}
         sizes = capped_growth(wanted, current, held, spec.upgrade.max_surge)
     before = previous.get("rollout")

@@ -11,6 +11,11 @@ Two strategies:
 A roll that makes no progress for `progressDeadlineSeconds` is reported (condition
 Progressing=False, reason ProgressDeadlineExceeded, and a Warning event); with `autoRollback`
 the old revision is then scaled back to its size and the new one removed.
+
+When a service rolls is its spec's business: the operator's own version is no part of the
+revision (revision.py), and a pinned `spec.image` ignores the operator's default image, so a
+`helm upgrade` of the operator rolls only services that leave `spec.image` empty (or whose
+pods it renders differently).
 """
 
 from __future__ import annotations

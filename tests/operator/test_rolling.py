@@ -180,6 +180,15 @@ def test_a_roll_always_reaches_the_switch(want: tuple[int, int], slots: int, sur
     assert _walk(sizes(*want), want, surge, slots) < 30
 
 
+def test_the_rollout_record_writes_every_field_of_the_schema() -> None:
+    from kvrelay_operator.rollout import ROLLOUT_FIELDS, rollout_status
+
+    status = crd_schema("KVRelayService")["properties"]["status"]["properties"]
+    assert tuple(status["rollout"]["properties"]) == ROLLOUT_FIELDS
+    # A field an earlier phase wrote is cleared (null in a merge patch), not left behind.
+    assert rollout_status({"phase": "Rolling"})["specGeneration"] is None
+
+
 def test_upgrade_defaults_match_the_crd() -> None:
     schema = crd_schema("KVRelayService")["properties"]["spec"]["properties"]["upgrade"]
     props = schema["properties"]

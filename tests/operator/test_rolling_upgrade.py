@@ -267,3 +267,35 @@ def test_the_old_cluster_is_resized_as_the_api_holds_it() -> None:
         assert groups[name]["template"] == before["template"]
     assert body["spec"]["headGroupSpec"] == live["spec"]["headGroupSpec"]
     validate_everywhere(body)
+
+
+def test_one_pair_with_no_surge_and_no_room_waits_and_is_reported(
+    sim: tuple[FakeApi, Kube, ClusterSim],
+) -> None:
+    """One prefill and one decode worker, maxSurge 0, two slots: draining either old worker
+    would leave no one to serve, so the roll asks for one new pair beside them (rolling.py)
+    and, with no room for it, waits and says so; the old pair serves throughout."""
+    fake, kube, cluster = sim
+    cluster.slots = 2
+    one = {"replicas": 1, "drainTimeoutSeconds": 60}
+    upgrade = {"maxSurge": 0, "progressDeadlineSeconds": 60}
+
+    def spec(image: str) -> dict[str, Any]:
+        return {"image": image, "prefill": one, "decode": one, "router": {"replicas": 1}} | {
+            "upgrade": upgrade
+        }
+
+    fake.put(SVC, service_body(spec("kvrelay:a")))
+    now = _run_until_serving(fake, kube, cluster, T0)
+    _edit(fake, spec("kvrelay:b"), generation=2)
+    for _ in range(20):
+        _reconcile(fake, kube, cluster, now)
+        cluster.tick()
+        now += TICK
+    new = cluster_of(spec("kvrelay:b"))
+    assert _groups(fake, new) == {"prefill": 1, "decode": 1}  # the one pair, Pending
+    assert _groups(fake, cluster_of(spec("kvrelay:a"))) == {"prefill": 1, "decode": 1}
+    assert len(cluster.worker_pods()) == 4 and cluster.placed() == 2
+    assert _conditions(fake)["Progressing"] == ("False", "ProgressDeadlineExceeded")
+    assert cluster.router.drains() == []
+    assert cluster.failed == [] and cluster.served > 20
