@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay_operator.autoscale import parse_rfc3339, rfc3339
 from kvrelay_operator.drain import Step
+from kvrelay_operator.errors import PermanentError, RetryableError
 from kvrelay_operator.kube import Kube
 from kvrelay_operator.names import (
     API_VERSION,
@@ -39,6 +41,8 @@ from kvrelay_operator.pool_steps import RAY, group_sizes
 from kvrelay_operator.revision import revision_of
 from kvrelay_operator.rolling import Side, capped_growth, plan_roll, progress_mark
 from kvrelay_operator.spec import ServiceSpec
+
+log = logging.getLogger(__name__)
 
 ROLLING, SWITCHED, COMPLETE, ROLLED_BACK = "Rolling", "Switched", "Complete", "RolledBack"
 # status.rollout's fields (schema_upgrade.py); each is written, null where unused, so that a
@@ -331,5 +335,12 @@ def event(spec: ServiceSpec, type_: str, reason: str, message: str, now: float, 
 def emit(
     kube: Kube, spec: ServiceSpec, events: Iterable[tuple[str, str, str]], now: float, key: str
 ) -> None:
+    """Post `events` on the service. An Event is a notice, the status holds the same: one
+    that cannot be posted (no rights, a server hiccup) is logged and the reconcile goes on."""
     for type_, reason, message in events:
-        kube.create(event(spec, type_, reason, message, now, key))
+        try:
+            kube.create(event(spec, type_, reason, message, now, key))
+        except (PermanentError, RetryableError) as exc:
+            log.warning(
+                "%s/%s: could not post the %s event: %s", spec.namespace, spec.name, reason, exc
+            )

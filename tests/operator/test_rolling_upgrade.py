@@ -212,6 +212,17 @@ def test_a_stuck_revision_is_reported_past_its_deadline(
     assert len([p for p in fake.objects if p.startswith(f"{EVENTS}/")]) == 1
 
 
+def test_an_event_that_cannot_be_posted_does_not_stop_the_report(
+    sim: tuple[FakeApi, Kube, ClusterSim],
+) -> None:
+    fake, kube, cluster = sim
+    fake.failures[("POST", EVENTS)] = 403  # a chart without events rights
+    _stuck_roll(fake, kube, cluster)
+    assert _conditions(fake)["Progressing"] == ("False", "ProgressDeadlineExceeded")
+    assert _conditions(fake)["Ready"][1] != "ApplyFailed"
+    assert any(r.method == "POST" and r.path == EVENTS for r in fake.requests)
+
+
 def test_auto_rollback_restores_the_old_revision_and_removes_the_new(
     sim: tuple[FakeApi, Kube, ClusterSim],
 ) -> None:
