@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from kvrelay import SamplingParams
 from kvrelay.llm import LLM
 from kvrelay.models.cpu_features import cpu_feature_summary
-from kvrelay.models.layers import Linear, blocked_of, run_blocked
+from kvrelay.models.layers import Linear, PackedLinear, blocked_of, run_blocked
 from kvrelay.models.many_rows import (
     MANY_ROWS_ENV,
     NEVER,
@@ -80,32 +80,56 @@ def header() -> list[str]:
 
 
 def shapes_table() -> list[str]:
-    lines = ["| shape | [out, in] | rows | blocked µs | oneDNN µs | oneDNN/blocked | auto takes |"]
-    lines.append("|---|---|---:|---:|---:|---:|---|")
+    lines = [
+        "| shape | [out, in] | rows | blocked µs | oneDNN µs | oneDNN/blocked | auto takes "
+        "| oneDNN packed copy µs |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
+    ]
     for name, (out_features, in_features) in SHAPES.items():
         weight = torch.randn(out_features, in_features).bfloat16()
-        blocked = blocked_of(weight, None)
-        timings: dict[int, tuple[float, float]] = {}
-        for rows in ROWS:
-            x = torch.randn(rows, in_features).bfloat16()
-            with torch.inference_mode():
-                timings[rows] = _time_pair(
-                    partial(run_blocked, blocked, x), partial(F.linear, x, weight)
-                )
-        with torch.inference_mode():
-            crossover = confirmed_crossover(
-                {r: t for r, t in timings.items() if r > 1},
-                in_features,
-                partial(run_blocked, blocked),
-                partial(F.linear, weight=weight),
-            )
+        timings, packed_s = shape_timings(weight)
+        crossover = timings_crossover(timings, weight)
         for rows, (blocked_s, onednn_s) in timings.items():
             takes = "oneDNN" if rows >= crossover else "blocked"
             lines.append(
                 f"| {name} | [{out_features}, {in_features}] | {rows} | {1e6 * blocked_s:.0f} | "
-                f"{1e6 * onednn_s:.0f} | {onednn_s / blocked_s:.2f} | {takes} |"
+                f"{1e6 * onednn_s:.0f} | {onednn_s / blocked_s:.2f} | {takes} "
+                f"| {1e6 * packed_s[rows]:.0f} |"
             )
     return lines
+
+
+def shape_timings(
+    weight: torch.Tensor,
+) -> tuple[dict[int, tuple[float, float]], dict[int, float]]:
+    """Per row count: (blocked, oneDNN on the dense weight) seconds, taking turns; and
+    oneDNN on its own packed copy (`PackedLinear`, the layout kvrelay does not keep), timed
+    in turns with the dense one."""
+    blocked = blocked_of(weight, None)
+    packed = PackedLinear(weight, None)
+    timings: dict[int, tuple[float, float]] = {}
+    packed_s: dict[int, float] = {}
+    for rows in ROWS:
+        x = torch.randn(rows, weight.shape[1]).bfloat16()
+        with torch.inference_mode():
+            timings[rows] = _time_pair(
+                partial(run_blocked, blocked, x), partial(F.linear, x, weight)
+            )
+            packed_s[rows] = _time_pair(partial(packed.forward, x), partial(F.linear, x, weight))[0]
+    return timings, packed_s
+
+
+def timings_crossover(timings: dict[int, tuple[float, float]], weight: torch.Tensor) -> int:
+    """What `auto` picks from `timings` (multi-row counts, oneDNN's wins timed again and
+    `timings` updated with the faster of both rounds)."""
+    many = {rows: t for rows, t in timings.items() if rows > 1}
+    with torch.inference_mode():
+        crossover = confirmed_crossover(
+            many, weight.shape[1], partial(run_blocked, blocked_of(weight, None)),
+            partial(F.linear, weight=weight),
+        )  # fmt: skip
+    timings.update(many)
+    return crossover
 
 
 def new_engine(model: str | None, path: str) -> LLM:
@@ -210,9 +234,13 @@ def main() -> None:
         print("\n".join(shapes_table()))
     if "ttft" in args.skip and "profile" in args.skip:
         return
-    engines = {path: new_engine(args.model, path) for path in args.paths}
-    for path, llm in engines.items():
-        print(f"{MANY_ROWS_ENV}={path}: oneDNN from rows {crossovers(llm)}")
+    engines = {}
+    for path in args.paths:
+        start = time.perf_counter()
+        engines[path] = new_engine(args.model, path)
+        load_s = time.perf_counter() - start  # `auto` includes its measurement
+        print(f"{MANY_ROWS_ENV}={path}: loaded in {load_s:.1f} s; oneDNN from rows "
+              f"{crossovers(engines[path])}")  # fmt: skip
     if "ttft" not in args.skip:
         print(f"\nTTFT of a {PROMPT_TOKENS}-token prompt, 1 stream, bf16, {args.rounds} rounds:")
         print("\n".join(ttft_table(engines, args.rounds)))
