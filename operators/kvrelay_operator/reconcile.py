@@ -164,8 +164,8 @@ def _apply_children(ctx: Context, spec: ServiceSpec, target: str, previous: Any)
     serving = serving_revision(kube, spec, previous, target)
     if serving != target:
         return _apply_rolling(ctx, spec, (serving, target), previous, observed, wanted)
-    sizes, record, condition = after_switch(kube, spec, previous, target, wanted)
-    steps = plan_pools(ctx, spec, target, sizes, previous)
+    settling = after_switch(kube, spec, previous, target, wanted, ctx.now)
+    steps = plan_pools(ctx, spec, target, settling.sizes, previous)
     objects = desired_objects(
         spec,
         observed,
@@ -175,7 +175,8 @@ def _apply_children(ctx: Context, spec: ServiceSpec, target: str, previous: Any)
     _apply_all(kube, objects, observed)
     _delete_stale(kube, spec)
     retire_revisions(kube, spec, target)
-    return Applied(wanted, steps, target, record, condition)
+    emit(kube, spec, settling.events, ctx.now, target)
+    return Applied(wanted, steps, target, settling.record, settling.condition)
 
 
 def _apply_rolling(

@@ -9,7 +9,9 @@ longer has, and rendering it from the new spec would change its pods under it.
 `status.rollout` keeps the roll's state, so a restarted operator carries on:
     Rolling     the old revision serves; the new one grows within the surge budget
     Switched    the routers serve the new revision; the old RayCluster goes once no router
-                pod of its revision is left (revision.clusters_to_retire)
+                pod of its revision is left (revision.clusters_to_retire). A BlueGreen
+                upgrade is here from its start: its new revision not turning ready by the
+                deadline is reported the same way (its rollback: put the spec back)
     Complete    one revision left
     RolledBack  past the deadline with `autoRollback`: the old revision is scaled back to the
                 pools' sizes and the new RayCluster deleted, until the spec is edited again
@@ -267,16 +269,29 @@ def other_clusters(kube: Kube, spec: ServiceSpec, revision: str) -> list[dict[st
     return [c for c in clusters if revision_of(c) != revision]
 
 
+@dataclass(frozen=True)
+class Settling:
+    """The routers serve the spec's revision: its group sizes, and the rollout record,
+    condition and events (None and none when no upgrade ever ran)."""
+
+    sizes: dict[str, int]
+    record: Obj | None = None
+    condition: Obj | None = None
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+
 def after_switch(
     kube: Kube,
     spec: ServiceSpec,
     previous: Mapping[str, Any],
     target: str,
     wanted: Mapping[str, int],
-) -> tuple[dict[str, int], Obj | None, Obj | None]:
-    """Once the routers serve `target`: its group sizes (grown within the surge budget while
-    older revisions' pods remain), and the rollout record and condition (None, None when no
-    Rolling upgrade ever ran)."""
+    now: float,
+) -> Settling:
+    """Once the routers serve `target` (the spec's revision), older RayClusters may remain:
+    until they go, a Rolling service grows only within its surge budget, and a new revision
+    that stops turning ready (either strategy: BlueGreen's second copy may find no room) is
+    reported past the deadline."""
     others = other_clusters(kube, spec, target)
     sizes = dict(wanted)
     if others and spec.upgrade.rolling:
@@ -284,18 +299,51 @@ def after_switch(
         held = sum(_held_pods(kube, spec, revision_of(c)) for c in others)
         current = {pool: groups.get(pool, 0) for pool in POOLS}
         sizes = capped_growth(wanted, current, held, spec.upgrade.max_surge)
-    before = previous.get("rollout")
-    if not before:
-        return sizes, None, None
-    phase = SWITCHED if others else COMPLETE
-    record = {**before, "phase": phase, "to": target, "message": ""}
-    if before.get("to") != target:  # the spec went back to the serving revision
-        record["from"] = before.get("to")
-    reason = "RoutersSwitched" if others else "NewRevisionAvailable"
-    message = f"serving {target}"
-    if others:
-        message += f"; {len(others)} older RayCluster(s) retiring"
-    return sizes, record, _condition(True, reason, message)
+    before = previous.get("rollout") or {}
+    origin = before.get("from") if before.get("to") == target else before.get("to")
+    if not others:
+        if not before:
+            return Settling(sizes)
+        record = {**before, "phase": COMPLETE, "to": target, "from": origin, "message": ""}
+        return Settling(
+            sizes, record, _condition(True, "NewRevisionAvailable", f"serving {target}")
+        )
+    new = observe_side(kube, spec, target)
+    ready = sum(new.ready.values())
+    mark = f"new ready {ready}"
+    same = before.get("to") == target and before.get("progressMark") == mark
+    since = parse_rfc3339(before.get("progressAt")) if same else None
+    progress_at = now if since is None else since
+    record = {
+        **before,
+        "from": origin or revision_of(others[0]),
+        "to": target,
+        "phase": SWITCHED,
+        "progressMark": mark,
+        "progressAt": rfc3339(progress_at),
+        "message": "",
+    }
+    if ready < sum(wanted.values()) and now - progress_at >= spec.upgrade.progress_deadline_s:
+        message = _settling_stuck(spec, target, ready, sum(wanted.values()))
+        condition = _condition(False, "ProgressDeadlineExceeded", message)
+        return Settling(
+            sizes, record, condition, [("Warning", "ProgressDeadlineExceeded", message)]
+        )
+    message = f"routers on {target}; {len(others)} older RayCluster(s) go once their routers do"
+    return Settling(sizes, record, _condition(True, "RetiringOldRevision", message))
+
+
+def _settling_stuck(spec: ServiceSpec, target: str, ready: int, wanted: int) -> str:
+    advice = (
+        "free room, or put the spec back to roll back"
+        if spec.upgrade.rolling
+        else "BlueGreen needs room for both copies: free room, use strategy Rolling, or put "
+        "the spec back to roll back (the old routers serve until the new ones are ready)"
+    )
+    return (
+        f"{target} made no progress for {spec.upgrade.progress_deadline_s}s: {ready}/{wanted} "
+        f"new workers ready; {advice}"
+    )
 
 
 def _held_pods(kube: Kube, spec: ServiceSpec, revision: str) -> int:

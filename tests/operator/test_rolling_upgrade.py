@@ -310,3 +310,43 @@ def test_one_pair_with_no_surge_and_no_room_waits_and_is_reported(
     assert _conditions(fake)["Progressing"] == ("False", "ProgressDeadlineExceeded")
     assert cluster.router.drains() == []
     assert cluster.failed == [] and cluster.served > 20
+
+
+def test_a_blue_green_copy_with_no_room_is_reported_and_the_spec_put_back_rolls_back(
+    sim: tuple[FakeApi, Kube, ClusterSim],
+) -> None:
+    """BlueGreen on a full cluster: the second copy stays Pending, the old routers keep
+    serving (a new router is not ready without a worker), the deadline reports it; putting
+    the spec back removes the new copy."""
+    fake, kube, cluster = sim
+    upgrade = {"strategy": "BlueGreen", "progressDeadlineSeconds": 60}
+    old_spec, new_spec = _spec("kvrelay:a", None, **upgrade), _spec("kvrelay:b", None, **upgrade)
+    fake.put(SVC, service_body(old_spec))
+    now = _run_until_serving(fake, kube, cluster, T0)
+    _edit(fake, new_spec, generation=2)
+    for _ in range(20):
+        _reconcile(fake, kube, cluster, now)
+        cluster.tick()
+        now += TICK
+    new = cluster_of(new_spec)
+    assert _groups(fake, new) == {"prefill": 2, "decode": 2}  # a whole second copy
+    assert cluster.placed() == 4 and len(cluster.worker_pods()) == 8
+    assert _conditions(fake)["Progressing"] == ("False", "ProgressDeadlineExceeded")
+    progressing = next(
+        c for c in fake.objects[SVC]["status"]["conditions"] if c["type"] == "Progressing"
+    )
+    assert "0/4 new workers ready" in progressing["message"]
+    assert "strategy Rolling" in progressing["message"]
+    events = [o["reason"] for p, o in fake.objects.items() if p.startswith(f"{EVENTS}/")]
+    assert events == ["ProgressDeadlineExceeded"]
+
+    _edit(fake, old_spec, generation=3)
+    for _ in range(5):
+        _reconcile(fake, kube, cluster, now)
+        cluster.tick()
+        now += TICK
+    _reconcile(fake, kube, cluster, now)
+    assert _clusters(fake) == [cluster_of(old_spec)]
+    assert _conditions(fake)["Progressing"] == ("True", "NewRevisionAvailable")
+    assert _conditions(fake)["Ready"] == ("True", "AllReady")
+    assert cluster.failed == []
