@@ -350,3 +350,28 @@ def test_a_blue_green_copy_with_no_room_is_reported_and_the_spec_put_back_rolls_
     assert _conditions(fake)["Progressing"] == ("True", "NewRevisionAvailable")
     assert _conditions(fake)["Ready"] == ("True", "AllReady")
     assert cluster.failed == []
+
+
+def test_putting_the_spec_back_mid_roll_restores_the_old_revision(
+    sim: tuple[FakeApi, Kube, ClusterSim],
+) -> None:
+    """The rollback on request without autoRollback: the old spec is the spec's revision
+    again, so the half-grown new RayCluster (no router ever used it) goes and the old one
+    grows back to the pools' sizes."""
+    fake, kube, cluster = sim
+    now = _stuck_roll(fake, kube, cluster)
+    old_spec = _spec("kvrelay:a", None, progressDeadlineSeconds=60)
+    old = cluster_of(old_spec)
+    assert _groups(fake, old) == {"prefill": 1, "decode": 1}
+    _edit(fake, old_spec, generation=3)
+    for _ in range(10):
+        _reconcile(fake, kube, cluster, now)
+        cluster.tick()
+        now += TICK
+    _reconcile(fake, kube, cluster, now)
+    assert _clusters(fake) == [old]
+    assert _groups(fake, old) == {"prefill": 2, "decode": 2}
+    assert cluster.placed() == 4
+    assert _conditions(fake)["Progressing"] == ("True", "NewRevisionAvailable")
+    assert _conditions(fake)["Ready"] == ("True", "AllReady")
+    assert cluster.failed == [] and cluster.random_deletions == []
