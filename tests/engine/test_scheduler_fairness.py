@@ -275,12 +275,12 @@ def test_the_share_rule_never_allows_the_reverse_move() -> None:
     """For every pair of loads and weights: if u may take v's seat, v may not take u's after."""
     for su, sv, wu, wv in itertools.product(range(6), range(1, 7), (1.0, 2.0, 3.0), (1.0, 2.0)):
         shares = Shares([], {})
-        shares.sequences, shares.weights = {"u": su, "v": sv}, {"u": wu, "v": wv}
+        shares.sequences, shares.weights = Counter({"u": su, "v": sv}), {"u": wu, "v": wv}
         u_new, v_run = req("u-new", "u", weight=wu), req("v-run", "v", weight=wv)
         running = [v_run] + [req(f"u{i}", "u", weight=wu) for i in range(su)]
         if fair_share.victim_for(u_new, running, shares) is not v_run:
             continue
-        shares.sequences = {"u": su + 1, "v": sv - 1}  # the move
+        shares.sequences = Counter({"u": su + 1, "v": sv - 1})  # the move
         back = fair_share.victim_for(req("v-back", "v", weight=wv), running, shares)
         assert back is None or back.tenant == "v", (su, sv, wu, wv)
 
@@ -338,3 +338,34 @@ def test_an_engine_request_keeps_its_tenant_through_a_replace() -> None:
     resumed = dataclasses.replace(request, resume_output_token_ids=(5,))
     assert (resumed.tenant, resumed.weight) == ("team-a", 2.0)
     assert EngineRequest("r", [1], SamplingParams()).tenant == ""
+
+
+# --- cost: a full batch nothing leaves is not counted again ------------------------------------
+
+
+def test_a_full_batch_that_nothing_leaves_is_not_recounted_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once no waiting request can take a seat, the tenants are counted again only when the
+    waiting or running requests change: a new tenant's request is then seated at once."""
+    counted: list[int] = []
+
+    class CountedShares(Shares):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            counted.append(1)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("kvrelay.engine.scheduler.Shares", CountedShares)
+    s = sched(max_seqs=4)
+    flood(s, "A", 2)
+    flood(s, "B", 4)  # fair admission: A0, B0, A1, B1; then B2 waits, stuck at 2:2
+    step(s)
+    assert running(s) == {"A": 2, "B": 2} and len(counted) == 1
+    for _ in range(10):
+        assert not step(s).preempted
+    assert len(counted) == 1  # the same waiting and running requests: the same answer
+    s.add(req("C0", "C"))
+    out = step(s)
+    assert len(counted) == 2 and "C0" in ids([c.request for c in out.chunks])
+    assert len(out.preempted) == 1  # one of A's or B's two (both level: the newest)
+    assert_all_freed(s)

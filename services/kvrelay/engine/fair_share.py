@@ -13,11 +13,17 @@ out, so a step of plain decodes pays nothing for tenants.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from kvrelay.engine.request import Request
 
 _SERVICE_ORDER = operator.attrgetter("scheduling_key")
+# Read in C by map(): the scheduler asks with up to max_num_seqs running requests every step
+# that something waits at a full batch, so these passes stay out of Python bytecode.
+_TENANT = operator.attrgetter("tenant")
+_WEIGHT = operator.attrgetter("weight")
+_PRIORITY = operator.attrgetter("priority")
 Forks = Mapping[str, Sequence[Request]]
 
 
@@ -29,53 +35,57 @@ def num_sequences(request: Request, forks: Forks) -> int:
 
 def one_tenant(requests: Iterable[Request]) -> bool:
     """Whether every request is the same tenant's (then fairness is today's plain order)."""
-    tenants = {request.tenant for request in requests}
-    return len(tenants) <= 1
+    return len(set(map(_TENANT, requests))) <= 1
+
+
+def worst_of(running: Iterable[Request], tenant: str) -> Request | None:
+    """`tenant`'s lowest-priority, newest running request (None: it runs none)."""
+    return max((r for r in running if r.tenant == tenant), key=_SERVICE_ORDER, default=None)
 
 
 class Shares:
-    """Running sequences, weight and lowest-priority newest request of each tenant, counted
-    once from `running`, then kept up to date by `add` / `remove` as the scheduler admits and
-    preempts within one step.
+    """Running sequences and weight of each tenant, counted once from `running`, then kept up
+    to date by `add` / `remove` as the scheduler admits and preempts within one step.
 
     A tenant's weight is the one its requests carry (the router gives every request of a
     tenant the same; just after `--tenant-limits` is reloaded, the one counted last wins).
     """
 
-    def __init__(self, running: Iterable[Request], forks: Forks) -> None:
+    def __init__(self, running: Sequence[Request], forks: Forks) -> None:
         self.forks = forks
-        self.sequences: dict[str, int] = {}
-        self.weights: dict[str, float] = {}
-        for request in running:
-            self.add(request)
+        self.sequences: Counter[str] = Counter(map(_TENANT, running))
+        self.weights: dict[str, float] = dict(
+            zip(map(_TENANT, running), map(_WEIGHT, running), strict=True)
+        )
+        if forks:  # a running leader's forks join at its first token: count them now
+            running_ids = {r.request_id for r in running}
+            for leader_id, pending in forks.items():
+                if pending and leader_id in running_ids:
+                    self.sequences[pending[0].tenant] += len(pending)
 
     def load(self, tenant: str) -> float:
-        weight = self.weights.get(tenant, 1.0)
-        return self.sequences.get(tenant, 0) / weight
+        return self.sequences[tenant] / self.weights.get(tenant, 1.0)
 
     def add(self, request: Request) -> None:
-        tenant = request.tenant
-        self.sequences[tenant] = self.sequences.get(tenant, 0) + num_sequences(request, self.forks)
-        self.weights[tenant] = request.weight
+        self.sequences[request.tenant] += num_sequences(request, self.forks)
+        self.weights[request.tenant] = request.weight
 
     def remove(self, request: Request) -> None:
         self.sequences[request.tenant] -= num_sequences(request, self.forks)
 
-    def most_loaded(self, running: Iterable[Request], exclude: str | None = None) -> str | None:
-        """The tenant over its share the most (highest load) among those running, `exclude`
-        left out; of equal loads, the one whose lowest-priority newest request is the worst
-        (so two tenants level with each other give up what one tenant would)."""
-        worst: dict[str, Request] = {}
-        for request in running:
-            tenant = request.tenant
-            if tenant == exclude:
-                continue
-            held = worst.get(tenant)
-            if held is None or request.scheduling_key > held.scheduling_key:
-                worst[tenant] = request
-        if not worst:
+    def most_loaded(self, running: Sequence[Request], exclude: str | None = None) -> str | None:
+        """The running tenant most over its share (highest load), `exclude` left out; of
+        equal loads, the one whose lowest-priority newest request is the worst (so tenants
+        level with each other give up what one tenant would)."""
+        loads = {t: self.load(t) for t, n in self.sequences.items() if n > 0 and t != exclude}
+        if not loads:
             return None
-        return max(worst, key=lambda t: (self.load(t), worst[t].scheduling_key))
+        top = max(loads.values())
+        tied = [tenant for tenant, load in loads.items() if load == top]
+        if len(tied) == 1:
+            return tied[0]
+        worst = {tenant: worst_of(running, tenant) for tenant in tied}
+        return max(tied, key=lambda t: worst[t].scheduling_key)  # type: ignore[union-attr]
 
 
 def preemption_victim(running: Sequence[Request], forks: Forks) -> Request:
@@ -84,8 +94,9 @@ def preemption_victim(running: Sequence[Request], forks: Forks) -> Request:
     running, exactly the lowest-priority newest request, as before tenants."""
     if one_tenant(running):
         return max(running, key=_SERVICE_ORDER)
-    tenant = Shares(running, forks).most_loaded(running)
-    return max((r for r in running if r.tenant == tenant), key=_SERVICE_ORDER)
+    victim = worst_of(running, Shares(running, forks).most_loaded(running) or "")
+    assert victim is not None, "a tenant with sequences runs a request"
+    return victim
 
 
 def admission_order(waiting: Iterable[Request], shares: Shares) -> Iterator[Request]:
@@ -129,17 +140,20 @@ def victim_for(waiting: Request, running: Sequence[Request], shares: Shares) -> 
     tenant = waiting.tenant
     other = shares.most_loaded(running, exclude=tenant)
     if other is not None:
-        victim = max((r for r in running if r.tenant == other), key=_SERVICE_ORDER)
-        need = num_sequences(waiting, shares.forks) / shares_weight(shares, waiting)
-        after_u = shares.load(tenant) + need
-        freed = num_sequences(victim, shares.forks) / shares.weights[other]
-        if after_u <= shares.load(other) - freed:
-            return victim
-    own = [r for r in running if r.tenant == tenant]
-    if own:
-        worst = max(own, key=_SERVICE_ORDER)
-        if waiting.priority < worst.priority:
-            return worst
+        after_u = shares.load(tenant) + num_sequences(waiting, shares.forks) / shares_weight(
+            shares, waiting
+        )
+        w_v = shares.weights[other]
+        # A victim frees at least one sequence: test that bound before looking for it.
+        if after_u <= shares.load(other) - 1 / w_v:
+            victim = worst_of(running, other)
+            assert victim is not None, "a tenant with sequences runs a request"
+            if after_u <= shares.load(other) - num_sequences(victim, shares.forks) / w_v:
+                return victim
+    if running and waiting.priority < max(map(_PRIORITY, running)):
+        own = worst_of(running, tenant)
+        if own is not None and waiting.priority < own.priority:
+            return own
     return None
 
 

@@ -104,6 +104,11 @@ class Scheduler:
         # Chunks of the current step that decode (one sampling token, no forks): a step of
         # only those is a pure decode step (SchedulerOutput.decodes_only).
         self._num_decodes = 0
+        # `waiting`, `running` and the pending forks' count when the batch was full and no
+        # waiting request could take anyone's place: while none of them changes, neither does
+        # that answer (it reads no KV), so a full batch nothing leaves costs one comparison
+        # per step instead of counting every running request's tenant again.
+        self._stuck: tuple[list[Request], list[Request], int] | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -275,8 +280,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if not self.waiting:
+        if not self.waiting or self._stuck == (self.waiting, self.running, self._num_forks()):
             return
+        self._stuck = None
         shares: Shares | None = None  # counted only when several tenants wait or one is stuck
         order: Iterable[Request]
         if fair_share.one_tenant(self.waiting):
@@ -295,9 +301,14 @@ class Scheduler:
                 size = self._make_room(request, budget, stuck, out)
                 if size is None:
                     # Strict order: a later request never overtakes one that cannot start.
+                    if len(self.running) >= self.config.max_num_seqs:
+                        self._stuck = (self.waiting[:], self.running[:], self._num_forks())
                     return
             self._start(request, size, out)
             budget -= size
+
+    def _num_forks(self) -> int:
+        return sum(map(len, self._forks.values())) if self._forks else 0
 
     def _allocate_waiting(self, request: Request, budget: int) -> int | None:
         """Allocate waiting `request`'s first chunk (prefix-cache hits reused); its size, or
