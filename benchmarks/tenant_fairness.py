@@ -11,6 +11,12 @@ admitted, is left running while the victim is measured); beside a burst tenant t
 
     .venv/bin/python benchmarks/tenant_fairness.py --markdown /tmp/fairness.md
     .venv/bin/python benchmarks/tenant_fairness.py --max-in-flight 8 --repeats 1
+    .venv/bin/python benchmarks/tenant_fairness.py --max-num-seqs 8 --only burst
+
+With `--max-num-seqs` low and `--max-in-flight` high (its default), the router admits every
+stream and the engine's batch is what is full: the engine's scheduler decides who runs. The
+burst row also reports the burst tenant's own time (all its streams, first sent to last done)
+and its tokens per second, what fairness costs it.
 """
 
 from __future__ import annotations
@@ -137,6 +143,7 @@ async def with_burst(http: httpx.AsyncClient, args: argparse.Namespace) -> tuple
 
     async def one() -> Timing:
         burst_body = victim_body(args.burst_tokens)
+        started = time.monotonic()
         streams = [
             asyncio.create_task(stream_chat(http, KEYS["burst"], burst_body))
             for _ in range(args.burst)
@@ -144,6 +151,7 @@ async def with_burst(http: httpx.AsyncClient, args: argparse.Namespace) -> tuple
         await asyncio.sleep(0.3)  # the burst is in before the victim
         victim = await stream_chat(http, KEYS["victim"], vb(args))
         outcomes = await asyncio.gather(*streams, return_exceptions=True)
+        burst_s.append(time.monotonic() - started)
         refused.append(sum(isinstance(o, RuntimeError) and "429" in str(o) for o in outcomes))
         failed = [o for o in outcomes if isinstance(o, BaseException) and "429" not in str(o)]
         if failed:
@@ -151,10 +159,13 @@ async def with_burst(http: httpx.AsyncClient, args: argparse.Namespace) -> tuple
         return victim
 
     refused: list[int] = []
+    burst_s: list[float] = []
     victim = await median_of(args.repeats, one)
     served = f"{args.burst - max(refused)}-{args.burst - min(refused)} served"
     if not max(refused):
         served = "all served"
+        seconds = statistics.median(burst_s)
+        served += f" in {seconds:.1f} s ({args.burst * args.burst_tokens / seconds:.0f} tok/s)"
     limit = f", its limit {args.burst_limit} sequences" if args.burst_limit else ""
     return victim, f"{args.burst} streams of {args.burst_tokens} tokens{limit}: {served}"
 
@@ -167,13 +178,14 @@ async def measure(base_url: str, args: argparse.Namespace) -> list[Row]:
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         await stream_chat(http, KEYS["victim"], vb(args))  # warm-up
         alone = await median_of(args.repeats, lambda: stream_chat(http, KEYS["victim"], vb(args)))
-        hog_victim, hog = await with_hog(http, args)
-        burst_victim, burst = await with_burst(http, args)
-    return [
-        Row("alone", alone, alone, "-"),
-        Row("n = 128, no max_tokens", hog_victim, alone, hog),
-        Row(f"tenant with {args.burst} streams", burst_victim, alone, burst),
-    ]
+        rows = [Row("alone", alone, alone, "-")]
+        if args.only in (None, "hog"):
+            hog_victim, hog = await with_hog(http, args)
+            rows.append(Row("n = 128, no max_tokens", hog_victim, alone, hog))
+        if args.only in (None, "burst"):
+            burst_victim, burst = await with_burst(http, args)
+            rows.append(Row(f"tenant with {args.burst} streams", burst_victim, alone, burst))
+    return rows
 
 
 def markdown(rows: list[Row]) -> str:
@@ -207,6 +219,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--model", default=None, help="kvrelay serve --model (default: its default model)")
     add("--colocated", action="store_true", help="one worker doing both (default: P/D)")
     add("--max-in-flight", type=int, default=None, help="kvrelay serve --max-in-flight")
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="kvrelay serve --max-num-seqs: the engines' batch (default: serve's, 128)",
+    )
+    add(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for kvrelay serve, as given (repeat it: "
+        "--serve-arg=--max-num-batched-tokens --serve-arg=256)",
+    )
+    add("--only", choices=("hog", "burst"), default=None,
+        help="measure the victim alone and beside this one hog only (default: both)")  # fmt: skip
     add("--victim-tokens", type=int, default=50)
     add("--burst", type=int, default=16, help="streams the burst tenant opens at once")
     add("--burst-tokens", type=int, default=100)
@@ -219,13 +247,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def serve_args(args: argparse.Namespace, limits: Path) -> tuple[str, ...]:
+    """`kvrelay serve`'s arguments beyond the defaults, from this script's flags."""
+    extra: tuple[str, ...] = ("--tenant-limits", str(limits))
+    if args.max_in_flight is not None:
+        extra += ("--max-in-flight", str(args.max_in_flight))
+    if args.max_num_seqs is not None:
+        extra += ("--max-num-seqs", str(args.max_num_seqs))
+    return extra + tuple(args.serve_arg)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tenant-fairness-") as tmp:
-        limits = tenants_file(Path(tmp), args.burst_limit)
-        extra: tuple[str, ...] = ("--tenant-limits", str(limits))
-        if args.max_in_flight is not None:
-            extra += ("--max-in-flight", str(args.max_in_flight))
+        extra = serve_args(args, tenants_file(Path(tmp), args.burst_limit))
         spec = kvrelay_spec("kvrelay", args.kvrelay_bin, args.colocated, args.model, extra)
         with RunningServer(spec, Path(tmp), args.ready_timeout):
             rows = asyncio.run(measure(spec.base_url, args))
