@@ -5,6 +5,7 @@ takes the rows."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from kvrelay.models.many_rows import (
     NEVER,
     ONEDNN_PINNED_FROM,
     ROW_BUCKETS,
+    consistent,
     crossover_rows,
     describe,
     many_rows_choice,
@@ -82,18 +84,18 @@ def test_measuring_stops_at_a_bucket_past_the_budget() -> None:
         rows = blocked()  # the fake paths return their row count
         assert onednn() == rows
         seen.append(rows)
-        return 1e-3 * rows, 0.5e-3 * rows  # oneDNN twice as fast; 64 rows take 64 ms
+        return 1e-3 * rows, 0.5e-3 * rows  # oneDNN twice as fast; 64 rows take 32 ms
 
     def rows_of(x: torch.Tensor) -> int:
         assert x.dtype == torch.bfloat16 and x.shape[1] == 24
         return x.shape[0]
 
     crossover, timings = measure_crossover(24, rows_of, rows_of, time_pair=time_pair)
-    # 128 rows: 64 ms > the 50 ms budget, stop; then oneDNN's wins are timed once more.
-    assert seen == [2, 4, 8, 16, 32, 64, 128] * 2
-    assert crossover == 2 and set(timings) == {2, 4, 8, 16, 32, 64, 128}
+    # 64 rows: 32 ms > the 20 ms budget, stop; then oneDNN's wins are timed once more.
+    assert seen == [2, 4, 8, 16, 32, 64] * 2
+    assert crossover == 2 and set(timings) == {2, 4, 8, 16, 32, 64}
     assert describe(crossover, timings) == (
-        "oneDNN from 2 rows, blocked kernel below (128 rows: blocked 128000 us, oneDNN 64000 us)"
+        "oneDNN from 2 rows, blocked kernel below (64 rows: blocked 64000 us, oneDNN 32000 us)"
     )
     assert describe(NEVER, {2: (1e-5, 2e-5)}).startswith("blocked kernel at every row count")
 
@@ -117,6 +119,48 @@ def test_a_win_that_does_not_repeat_does_not_count() -> None:
 
 def rows_of_any(x: torch.Tensor) -> int:
     return x.shape[0]
+
+
+@pytest.mark.parametrize(
+    ("timings", "expected"),
+    [
+        ({2: (1.0, 2.0), 4: (1.4, 2.0), 8: (2.0, 2.9)}, True),  # flat, then growing
+        ({2: (9.0, 2.0), 4: (1.0, 2.0), 8: (2.0, 4.0)}, False),  # the blocked kernel at 2
+        ({2: (1.0, 2.0), 4: (1.0, 2.0), 8: (2.0, 1.0)}, False),  # oneDNN at 4
+        ({2: (1.0, 2.0)}, True),
+    ],
+)
+def test_a_smaller_bucket_much_slower_than_a_larger_one_is_noise(
+    timings: dict[int, tuple[float, float]], expected: bool
+) -> None:
+    assert consistent(timings) is expected
+
+
+def test_noisy_timings_are_taken_again_then_keep_the_blocked_kernel(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls: list[int] = []
+
+    def noisy_first(blocked: Any, onednn: Any) -> tuple[float, float]:
+        rows = blocked()
+        calls.append(rows)
+        # The first sweep's 2 rows were held up; the second sweep is clean: oneDNN from 8.
+        spike = 100.0 if rows == 2 and len(calls) == 1 else 1.0
+        return spike * rows * 1e-6, (2 + 0.6 * rows) * 1e-6  # oneDNN: slower start
+
+    crossover, _ = measure_crossover(8, rows_of_any, rows_of_any, (2, 4, 8, 16), noisy_first)
+    assert crossover == 8
+    assert calls[:8] == [2, 4, 8, 16] * 2  # a second sweep, then 8 and 16 confirmed
+    assert calls[8:] == [8, 16]
+
+    def always_noisy(blocked: Any, onednn: Any) -> tuple[float, float]:
+        rows = blocked()
+        return (100.0 if rows == 2 else 1.0) * 1e-6, 1e-7  # oneDNN "wins" everywhere
+
+    with caplog.at_level(logging.WARNING, logger="kvrelay.models.many_rows"):
+        crossover, _ = measure_crossover(8, rows_of_any, rows_of_any, (2, 4), always_noisy)
+    assert crossover == NEVER
+    assert "too noisy" in caplog.text and "KVRELAY_CPU_MANY_ROWS=onednn" in caplog.text
 
 
 def test_only_bf16_weights_leave_the_blocked_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
