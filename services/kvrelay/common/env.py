@@ -202,6 +202,15 @@ MEMORY_PROBE_TRACEMALLOC = EnvVar(
     "`1`: the memory probe also records tracemalloc's growth by line (slow; for finding a leak)",
     unset="unset: off",
 )
+TEST_KUBECONFIG = EnvVar(
+    "KVRELAY_TEST_KUBECONFIG",
+    "path",
+    "",
+    "the operator's integration tests (`tests/operator/cluster.py`) run against the API server "
+    "this kubeconfig names (kind, k3d, any cluster) instead of the in-process fake: CRDs "
+    "applied, the operator as its ServiceAccount; see docs/deploy.md",
+    unset="unset: the fake API server",
+)
 REGISTRY: tuple[EnvVar, ...] = (
     API_KEY,
     CACHE_DIR,
@@ -225,4 +234,5 @@ REGISTRY: tuple[EnvVar, ...] = (
     MEMORY_PROBE,
     MEMORY_PROBE_S,
     MEMORY_PROBE_TRACEMALLOC,
+    TEST_KUBECONFIG,
 )
