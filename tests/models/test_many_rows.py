@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.models import load_model
-from kvrelay.models.cpu_features import cpu_has_native_bf16
+from kvrelay.models.cpu_features import cpu_feature_summary, cpu_has_native_bf16
 from kvrelay.models.layers import Linear
 from kvrelay.models.many_rows import (
     MANY_ROWS_ENV,
@@ -25,6 +25,7 @@ from kvrelay.models.many_rows import (
     consistent,
     crossover_rows,
     describe,
+    log_cpu_features,
     many_rows_choice,
     measure_crossover,
     onednn_from_rows,
@@ -161,6 +162,19 @@ def test_noisy_timings_are_taken_again_then_keep_the_blocked_kernel(
         crossover, _ = measure_crossover(8, rows_of_any, rows_of_any, (2, 4), always_noisy)
     assert crossover == NEVER
     assert "too noisy" in caplog.text and "KVRELAY_CPU_MANY_ROWS=onednn" in caplog.text
+
+
+def test_a_bf16_model_logs_the_cpu_line_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(MANY_ROWS_ENV, "onednn")
+    log_cpu_features.cache_clear()
+    with caplog.at_level(logging.INFO, logger="kvrelay.models.many_rows"):
+        for _ in range(2):
+            onednn_from_rows(torch.zeros(8, 8, dtype=torch.bfloat16), F.relu, F.relu)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU ")]
+    assert lines == [f"CPU {cpu_feature_summary()}"]
+    assert "AMX: " in lines[0]
 
 
 def test_only_bf16_weights_leave_the_blocked_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

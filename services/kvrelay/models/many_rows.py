@@ -21,6 +21,7 @@ This module decides; it must not import the layers (they call it from `Linear.pr
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
@@ -31,6 +32,7 @@ from functools import partial
 import torch
 
 from kvrelay.common.env import CPU_MANY_ROWS
+from kvrelay.models.cpu_features import cpu_feature_summary
 from kvrelay_kernels.cpu_amx import amx_enabled
 
 logger = logging.getLogger(__name__)
@@ -196,6 +198,7 @@ def onednn_from_rows(weight: torch.Tensor, blocked: Matmul, onednn: Matmul) -> i
     choice = many_rows_choice()
     if weight.dtype != torch.bfloat16 or choice == "blocked":
         return NEVER
+    log_cpu_features()
     if choice == "onednn":
         return ONEDNN_PINNED_FROM
     key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
@@ -205,6 +208,15 @@ def onednn_from_rows(weight: torch.Tensor, blocked: Matmul, onednn: Matmul) -> i
         _measured[key] = crossover
         logger.info("bf16 matmul %s: %s", list(weight.shape), describe(crossover, timings))
     return _measured[key]
+
+
+@functools.cache
+def log_cpu_features() -> str:
+    """Log, once per process, the CPU line that decides the bf16 paths (AMX asked for where
+    the CPU has it: `cpu_features.cpu_feature_summary`); returns it."""
+    summary = cpu_feature_summary()
+    logger.info("CPU %s", summary)
+    return summary
 
 
 def describe(crossover: int, timings: Mapping[int, tuple[float, float]]) -> str:
