@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from kvrelay import SamplingParams
 from kvrelay.llm import LLM
 from kvrelay.models.layers import Linear, PackedLinear, linear
 from kvrelay.models.llama import CausalLM
+from kvrelay.models.many_rows import MANY_ROWS_ENV
 from serving.decode_steps import decode_step_ms
 
 PROMPT = "The history of the printing press begins"
@@ -137,6 +139,9 @@ def decode_table(
 
 def main() -> None:
     args = build_parser().parse_args()
+    # "kvrelay blocked" means the kernel at every row count: not oneDNN from a measured
+    # crossover (benchmarks/many_rows.py compares those).
+    os.environ[MANY_ROWS_ENV] = "blocked"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     layer_lines: list[str] = []
     decode_lines: list[str] = []
