@@ -4,7 +4,7 @@ a GPU, measured on a CPU-only machine through the fake-CUDA rig (tests/fake_cuda
 
 On an H200 a decode step's GPU work is shorter than the host's: the scheduler, the inputs
 built and uploaded, the graph replay, the sampler and the outputs of every request. This runs
-the serving loop's own `Engine.step()` on a random-weight Llama of SmolLM2-135M's shape (bf16,
+the serving loop's own `Engine.step_delta()` on a random-weight Llama of SmolLM2-135M's shape (bf16,
 CUDA graphs on, as served) with B requests all decoding (long max_tokens, ignore_eos; the
 sampled token is made up, as the rig's scenarios do) and times windows of N steps in this
 thread's CPU time (other processes on a shared machine do not inflate it); medians reported.
@@ -20,8 +20,8 @@ Kernels per layer are counted separately on an eager pure-decode step (graphs of
 the decoder layers' forward that would launch a kernel (tests/fake_cuda/launches.py: views,
 allocations and host <-> device copies excluded; stand-in kernel calls included) / layers.
 
-What it does not measure: the GPU's own time, device waits (the sampler's sync returns at
-once), detokenization (served workers run without a tokenizer, as here), the HTTP / gRPC side.
+Not measured: the GPU's time, device waits (the sampler's sync returns at once), detokenizing
+(served workers have no tokenizer, as here), the worker's delivery, the HTTP / gRPC side.
 
     .venv/bin/python benchmarks/host_overhead.py
     .venv/bin/python benchmarks/host_overhead.py --batches 256 --phases
@@ -56,16 +56,16 @@ from tests.fake_cuda.scenarios import fake_sampling, make_engine, patch_loading,
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
 
-# Host time of one torch op on CUDA tensors (Python binding, dispatcher, caching allocator,
-# cudaLaunchKernel), charged per device op and graph replay in place of the fake dispatch.
-# cudaLaunchKernel alone costs the host a few microseconds (NVIDIA's "Getting Started with
-# CUDA Graphs" blog, 2019, measures launch overheads of that order per short kernel) and
-# PyTorch's eager path adds its own (the PyTorch blog "Accelerating PyTorch with CUDA Graphs",
-# 2021: several microseconds per op): 5 us is the usual round figure. Views and allocations,
-# which launch nothing, are charged it too, so the corrected figure errs high.
+# Host time of one torch op on CUDA tensors (binding, dispatcher, allocator, cudaLaunchKernel),
+# charged per device op and graph replay in place of the fake dispatch: a few us to launch
+# (NVIDIA's blog "Getting Started with CUDA Graphs", 2019) plus PyTorch's eager path (PyTorch's
+# blog "Accelerating PyTorch with CUDA Graphs", 2021: several us); 5 us is the usual round
+# figure. Views and allocations, which launch nothing, are charged it too: it errs high.
 LAUNCH_US = 5.0
 TARGET_MS = {256: 1.5}  # host ms per step (the issue's target on a 2-core machine)
 PROMPT_TOKENS = 16
+# --api: the step timed (served: step_delta; step builds a cumulative output per request).
+STEP_METHOD = {"delta": "step_delta", "cumulative": "step"}
 MAX_MODEL_LEN = 1024
 WARM_STEPS = 2  # decode steps after the prefill before timing (first replays, staging)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -156,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--layers", type=int, help="decoder layers (default: the shape's, 30 for SmolLM2-135M)")
     add("--phases", action="store_true", help="after the windows at the largest batch, time "
         "the step's parts (host time, the rig excluded) and print them to stderr")
+    add("--api", choices=["delta", "cumulative"], default="delta",
+        help="Engine.step_delta (served: new tokens only) or Engine.step (cumulative outputs)")
     add("--json", action="store_true",
         help='print [{"batch", "host_ms_per_step", "kernels_per_layer", ...}]')
     # fmt: on
@@ -236,8 +238,7 @@ def calibrate(mode: FakeCudaMode, calls: int = 2000, repeats: int = 3) -> Calibr
 
 
 def start_decoding(engine: Engine, batch: int, tag: str) -> list[str]:
-    """`batch` requests past their prefill and a few decode steps: every step is a pure
-    decode from here on. Returns their ids."""
+    """`batch` requests past prefill and a few decode steps (pure decodes from now): their ids."""
     vocab = engine.config.model_config.vocab_size
     max_tokens = MAX_MODEL_LEN - PROMPT_TOKENS - 1  # none finishes while measured
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -261,19 +262,20 @@ def stop(engine: Engine, ids: list[str]) -> None:
         engine.abort(request_id)  # frees their blocks: the next batch starts on an empty cache
 
 
-def measure_window(engine: Engine, rig: Rig, steps: int) -> Window:
+def measure_window(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> Window:
     mode = rig.mode
     clock, replays = mode.clock.seconds, runtime.LOG.graph_replays
     host, device = mode.host_dispatches, mode.device_dispatches
     # No collection inside: the rig's many short-lived objects would trigger collections a
     # run on a GPU does not make (the engine's own garbage is collected between windows).
+    step = getattr(engine, STEP_METHOD[api])
     gc.collect()
     gc.disable()
     try:
         with rig.counter.counting() as counted:
             cpu = time.thread_time()
             for _ in range(steps):
-                engine.step()
+                step()
             cpu = time.thread_time() - cpu
     finally:
         gc.enable()
@@ -293,8 +295,7 @@ def measure_window(engine: Engine, rig: Rig, steps: int) -> Window:
 
 
 def eager_launches(engine: Engine, rig: Rig, batch: int) -> tuple[float, launches.Launches]:
-    """Kernels per decoder layer of one eager pure-decode step of `batch` rows, and the whole
-    step's launches."""
+    """Kernels per decoder layer of one eager pure-decode step of `batch` rows; its launches."""
     ids = start_decoding(engine, batch, "eager")
     layers = engine.runner.model.layers  # type: ignore[attr-defined]
     with rig.counter.counting() as step, launches.counting_layers(rig.counter, layers) as inside:
@@ -330,11 +331,11 @@ def measure(args: argparse.Namespace, rig: Rig, model: Path) -> list[Row]:
             ids = start_decoding(graphed, batch, "graphed")
             windows = []
             for i in range(args.windows):
-                windows.append(measure_window(graphed, rig, args.steps))
+                windows.append(measure_window(graphed, rig, args.steps, args.api))
                 ms = windows[-1].corrected_s(rig.calibration) * 1e3 / args.steps
                 progress(f"batch {batch}: window {i + 1}: {ms:.3f} ms per step (corrected)")
             if args.phases and batch == largest:
-                phases(graphed, rig, args.steps * args.windows)
+                phases(graphed, rig, args.steps * args.windows, args.api)
             stop(graphed, ids)
             rows.append(summarize(batch, windows, rig.calibration, per_layer, eager_step))
     return rows
@@ -374,7 +375,7 @@ def host_clock(rig: Rig) -> Callable[[], float]:
     return now
 
 
-def phases(engine: Engine, rig: Rig, steps: int) -> None:
+def phases(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> None:
     """Where a decode step's host time goes, to stderr: `steps` more steps with the step's
     parts timed on `host_clock` (batch-level calls only, so the timing costs ~20 us a step).
     Nested parts are indented; "other" is a part's time outside the parts listed in it."""
@@ -385,7 +386,7 @@ def phases(engine: Engine, rig: Rig, steps: int) -> None:
     calls: dict[str, int] = collections.defaultdict(int)  # device ops by part
     runner, scheduler = engine.runner, engine.scheduler
     parts = {  # name: (object, attribute); the name's dots say what it is inside of
-        "step": (engine, "step"),
+        "step": (engine, STEP_METHOD[api]),
         "step.expire_leases": (engine.handoff, "expire_leases"),
         "step.schedule": (scheduler, "schedule"),
         "step.execute": (engine, "_execute"),
@@ -416,8 +417,9 @@ def phases(engine: Engine, rig: Rig, steps: int) -> None:
         gc.collect()
         gc.disable()
         try:
+            step = getattr(engine, STEP_METHOD[api])
             for _ in range(steps):
-                engine.step()
+                step()
         finally:
             gc.enable()
     print_parts(list(parts), spent, calls, steps)

@@ -131,7 +131,9 @@ class LLM:
         sent = 0
         try:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+                # A running plain request's tokens come as rows (StepDelta): this request,
+                # with text, never does; its outputs are the cumulative ones.
+                for output in self.engine.step_delta().outputs:
                     if output.request_id != request_id:
                         continue
                     if output.error is not None:
@@ -168,7 +170,9 @@ class LLM:
         ) as bar:
             try:
                 while len(finished) < len(request_ids):
-                    for output in self.engine.step():
+                    # Only final outputs are kept: a step's rows (one token of a running
+                    # request) need no cumulative output built (Engine.step_delta).
+                    for output in self.engine.step_delta().outputs:
                         if output.finished and output.request_id in wanted:
                             finished[output.request_id] = output
                             bar.update(1)

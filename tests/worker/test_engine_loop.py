@@ -115,7 +115,7 @@ def test_fail_policy_output_reaches_the_caller(make_engine: EngineFactory, failu
     loop = EngineLoop(engine, connector=None)  # no connector: every pull fails
     prompt = PROMPT if failure == "pull" else [*PROMPT[:-1], PROMPT[-1] + 1]
 
-    async def collect() -> list[RequestOutput]:
+    async def collect() -> list[RequestOutput | int]:
         return [
             output async for output in loop.outputs(EngineRequest("r", prompt, greedy(4), handle))
         ]
@@ -125,6 +125,7 @@ def test_fail_policy_output_reaches_the_caller(make_engine: EngineFactory, failu
     finally:
         loop.shutdown()
     [final] = outputs
+    assert isinstance(final, RequestOutput)
     sample = final.outputs[0]
     assert final.finished and sample.finish_reason == "abort"
     assert isinstance(sample.stop_reason, str) and "KV transfer failed" in sample.stop_reason
@@ -155,6 +156,7 @@ def test_a_request_failed_alone_raises_in_its_stream_only(
 
     async def collect(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
         final = [o async for o in loop.outputs(EngineRequest(rid, prompt, params))][-1]
+        assert isinstance(final, RequestOutput)  # the last item: the finished output
         return final.outputs[0].token_ids
 
     async def main() -> tuple[list[int] | BaseException, ...]:
@@ -175,3 +177,29 @@ def test_a_request_failed_alone_raises_in_its_stream_only(
     assert got == expected
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
     assert_pool_whole(engine)
+
+
+def test_the_loop_hands_a_plain_requests_middle_tokens_over_as_rows(
+    make_engine: EngineFactory,
+) -> None:
+    """The loop steps the engine by `step_delta`: a plain request's stream is its first
+    cumulative output, then one int per step, then its final output; no output is rebuilt
+    for the tokens between. Together they are the tokens a `step`-driven engine gives."""
+    reference = make_engine()
+    reference.add_request("r", PROMPT, greedy(6))
+    expected = run_to_completion(reference)["r"][0]
+    loop = EngineLoop(make_engine())
+
+    async def collect() -> list[RequestOutput | int]:
+        return [item async for item in loop.outputs(EngineRequest("r", PROMPT, greedy(6)))]
+
+    try:
+        items = asyncio.run(asyncio.wait_for(collect(), timeout=30))
+    finally:
+        loop.shutdown()
+    first, *rows, final = items
+    assert isinstance(first, RequestOutput) and isinstance(final, RequestOutput)
+    assert all(isinstance(row, int) for row in rows) and len(rows) == 4
+    assert first.outputs[0].token_ids + rows == final.outputs[0].token_ids[:-1]
+    assert final.finished and final.outputs[0].token_ids == expected
+    assert_pool_whole(loop.engine)

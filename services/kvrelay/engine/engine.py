@@ -15,19 +15,20 @@ from kvrelay.common.detokenizer import Tokenizer
 from kvrelay.common.messages import EngineRequest, EngineStats, KVHandle, PullPlan, Role
 from kvrelay.common.sampling_params import SamplingParams, check_vocab
 from kvrelay.config import EngineConfig
+from kvrelay.engine.engine_stats import engine_stats
 from kvrelay.engine.grammar_gate import GrammarGate, advance_matcher
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
 from kvrelay.engine.isolation import SAMPLING_FAILED
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.kv_cache.layout import allocate_kv_cache, kv_block_bytes
-from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.outputs import RequestOutput, StepDelta
 from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.prompt_logprobs import take_scores
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
 from kvrelay.engine.runner import CausalLMModel, ModelRunner, StepResult
 from kvrelay.engine.sampler import Sampler, skip_seeded_draws
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
-from kvrelay.engine.step_outputs import append_sampled
+from kvrelay.engine.step_outputs import Rows, append_sampled
 from kvrelay.engine.warm_up import warm_up
 from kvrelay_kernels import jit_watch
 
@@ -299,6 +300,16 @@ class Engine:
                 are validated on entry, and re-running a part of a batch that has written
                 into copy-on-write blocks is not safe).
         """
+        return self._step(None).outputs
+
+    def step_delta(self) -> StepDelta:
+        """`step`, handing over only what is new (what a server streams): a running plain
+        request's next token as a row of two lists, not its cumulative output rebuilt; the
+        rest as `step` gives it (outputs.StepDelta). Mixing the two on one engine is fine: a
+        row always follows an output of its request handed over by either."""
+        return self._step(([], []))
+
+    def _step(self, rows: Rows | None) -> StepDelta:
         self.handoff.expire_leases()
         if self._grammar:
             self._release_compiled()
@@ -316,6 +327,7 @@ class Engine:
             slow=self._append_token,
             finish=self.scheduler.finish,
             fast=self.role is not Role.PREFILL,  # a prefill engine leases each one's KV
+            rows=rows,
         )
         self._generation_tokens += appended
         touched.update(sampled)
@@ -323,7 +335,7 @@ class Engine:
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
-        return outputs
+        return StepDelta(*(rows or ([], [])), outputs)
 
     def _release_compiled(self) -> None:
         """Requests whose grammar compiled since the last step go on (or fail alone)."""
@@ -456,26 +468,12 @@ class Engine:
         return self.handoff.expire_leases(now)
 
     def stats(self) -> EngineStats:
-        handoff = self.handoff
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=self.kv_cache.num_free_blocks,
-            num_blocks=self.num_blocks,
-            kv_usage=self.kv_cache.usage,
-            num_preemptions=self.scheduler.num_preemptions,
+        return engine_stats(
+            self.scheduler,
+            self.kv_cache,
+            self.handoff,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
-            prefix_cache_queries=self.kv_cache.stats.queries,
-            prefix_cache_hits=self.kv_cache.stats.hits,
-            prefix_cache_evictions=self.kv_cache.pool.num_evictions,
-            num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
-            num_leases=handoff.num_leases,
-            num_pulling=handoff.num_pulling,
-            kv_leases_expired=handoff.num_leases_expired,
-            kv_pull_fallbacks=handoff.num_pull_fallbacks,
-            kv_transfer_failures=handoff.num_transfer_failures,
-            kv_bytes_pulled=handoff.kv_bytes_pulled,
         )
 
     def cached_block_hashes(self) -> list[bytes]:

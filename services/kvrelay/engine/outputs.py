@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvrelay.common.messages import KVHandle, PromptLogprob
 
@@ -47,3 +48,17 @@ class RequestOutput:
     # With params.prompt_logprobs, once every prompt token is scored: an entry per prompt
     # token from the second on (vLLM's list without its leading None).
     prompt_logprobs: list[PromptLogprob] | None = None
+
+
+class StepDelta(NamedTuple):
+    """What one step produced, as news only (`Engine.step_delta`; vLLM's
+    `RequestOutputKind.DELTA` in spirit): a running request of one plain sample (no text,
+    logprobs or prompt logprobs) whose output was handed over before gets its new token as one
+    entry of two parallel lists, not a cumulative RequestOutput rebuilt every step; every other
+    request touched (its first output, any finish, an error, a hand-off, text, logprobs, n > 1)
+    gets its cumulative `RequestOutput` in `outputs`, as `Engine.step` gives it. A request is
+    in the rows or in `outputs`, never both, and once finished never again."""
+
+    request_ids: list[str]  # the rows: each one's request id (sample 0 of it)
+    token_ids: list[int]  # each row's new token, appended to its sample 0
+    outputs: list[RequestOutput]

@@ -30,6 +30,9 @@ class ParentRequest:
     error: str | None = None  # set when the engine failed the request (RequestOutput.error)
     # One sample without text, logprobs or prompt logprobs: `output` takes the short way.
     _plain: bool = field(init=False, repr=False)
+    # Plain, and an output of it handed over already: a step may hand over only its new
+    # token from now on (outputs.StepDelta's rows); its caller has the rest.
+    delta_ready: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         params = self.children[0].sampling_params if self.children else None
@@ -101,6 +104,7 @@ class ParentRequest:
         """The cumulative output of every sample so far. Built for every running request
         every step, so it reads each sample's state once and makes nothing it can skip."""
         if self._plain:
+            self.delta_ready = True
             return self._plain_output()
         completions = [
             self._completion(index, child, self.detokenizers[index])

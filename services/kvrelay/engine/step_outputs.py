@@ -19,6 +19,8 @@ from kvrelay.engine.sampler import SampleLogprobs
 # the token appended, detokenized, checked against stops and the grammar, hand-off leased.
 SlowPath = Callable[[Request, int, "dict[int, float] | None"], ParentRequest]
 Finish = Callable[[Request, RequestStatus], None]
+# (request ids, token ids): a step's rows of news that is one token (outputs.StepDelta).
+Rows = tuple[list[str], list[int]]
 _LAST_UNFINISHED = RequestStatus.PREEMPTED
 
 
@@ -31,6 +33,7 @@ def append_sampled(
     slow: SlowPath,
     finish: Finish,
     fast: bool = True,
+    rows: Rows | None = None,
 ) -> tuple[dict[str, ParentRequest], int]:
     """Append each request's sampled token (skipping finished ones: failed this step, or a
     sibling failed), finishing those it stops.
@@ -40,6 +43,9 @@ def append_sampled(
         slow: the full path, for a request with a detokenizer, a grammar or logprobs (and
             every request when `fast` is False: a prefill engine leases each one's KV).
         finish: the scheduler's `finish`, for a request the fast path stops.
+        rows: (request ids, token ids) lists to append a fast-path token to instead of
+            touching its parent, when the token did not finish it and the parent is
+            `delta_ready` (outputs.StepDelta's rows); None: every parent is touched.
 
     Returns:
         The parents touched, by request id in first-touch order, and the tokens the fast
@@ -67,6 +73,12 @@ def append_sampled(
                 status = request.check_stop()
                 if status is not None:
                     finish(request, status)
+                    touched[parent.request_id] = parent  # its final output: never a row
+                    continue
+            if rows is not None and parent.delta_ready:
+                rows[0].append(parent.request_id)
+                rows[1].append(token_id)
+                continue
         else:
             entry = None if sample_logprobs is None else logprobs_entry(token_id, sample_logprobs)
             parent = slow(request, token_id, entry)

@@ -129,10 +129,10 @@ class EngineWorker:
         says where the prompt's KV waits for a decode worker (no handle when the request
         already finished at its first token). With `decode_engine_id` (the router's pick),
         only that engine may pull it; without, any one of the deployment's engines, once."""
-        last: RequestOutput | None = None
+        last: RequestOutput | int | None = None
         async for output in self.loop.outputs(request):
             last = output
-        assert last is not None
+        assert isinstance(last, RequestOutput)  # the last item is the finished output
         delta = DeltaTracker().delta(last)
         # Bound before anyone outside this worker learns the handle's id, so never unbound.
         if delta.kv_handle is not None and decode_engine_id is not None:

@@ -3,6 +3,8 @@
 The engine's RequestOutput is cumulative (vLLM's shape); sending it every step would cost
 O(length^2) bytes per request over Ray. A delta carries only what is new, with the position of
 its first token so a receiver can line up streams that overlap (a recompute after a failure).
+The engine itself hands a running plain request's next token over alone (Engine.step_delta),
+which `DeltaTracker.token` turns into a delta without any cumulative output built.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ async def request_deltas(loop: EngineLoop, request: EngineRequest) -> AsyncItera
     tokens. Leaving early aborts the request."""
     tracker = DeltaTracker(already_sent=len(request.resume_output_token_ids))
     async for output in loop.outputs(request):
-        yield tracker.delta(output)
+        yield tracker.token(output) if isinstance(output, int) else tracker.delta(output)
 
 
 class DeltaTracker:
@@ -36,8 +38,29 @@ class DeltaTracker:
         self._sent: dict[int, int] = {0: already_sent} if already_sent else {}
         self._done: set[int] = set()  # samples whose finish was sent
         self._prompt_sent = False  # prompt_logprobs go once
+        self._last: RequestOutput | None = None  # the last cumulative output seen
+
+    def token(self, token_id: int) -> OutputDelta:
+        """The delta of one more token of sample 0, after a cumulative output of the same
+        request (the engine's StepDelta rows: a running plain request): that output's
+        request fields and metrics, this one token."""
+        last = self._last
+        if last is None:
+            raise RuntimeError("a token row came before any output of its request")
+        start = self._sent.get(0, 0)
+        self._sent[0] = start + 1
+        return OutputDelta(
+            last.request_id,
+            [SampleDelta(0, start, [token_id], None, None, None)],
+            False,
+            len(last.prompt_token_ids),
+            int(last.metrics.get("num_cached_tokens", 0)),
+            None,
+            dict(last.metrics),
+        )
 
     def delta(self, output: RequestOutput) -> OutputDelta:
+        self._last = output
         samples = []
         for sample in output.outputs:
             start = self._sent.get(sample.index, 0)

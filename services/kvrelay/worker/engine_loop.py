@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Command = Callable[[], None]
-_Item = RequestOutput | BaseException
+# A request's next item: its cumulative output, or (int) the next token of its one sample
+# when that is all a step brought (the engine's StepDelta rows), or why it ended.
+_Item = RequestOutput | int | BaseException
 
 
 class _Stream:
@@ -107,10 +109,12 @@ class EngineLoop:
         self.submit(command)
         return await asyncio.wrap_future(future)
 
-    async def outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput | int]:
         """Add `request` (`Engine.add`; a prefilled one's KV pulled from its `kv_handle`'s
-        worker) and yield its cumulative outputs up to the finished one. Leaving early aborts
-        it."""
+        worker) and yield what each step brought it up to its finished output: its cumulative
+        output, or, where a step brought only one more token of its one sample, that token
+        id (an int: the engine's `StepDelta` rows, never the first item nor the last).
+        Leaving early aborts it."""
         stream = _Stream(asyncio.get_running_loop())
         self.submit(lambda: self._add(request, stream))
         request_id = request.request_id
@@ -121,7 +125,7 @@ class EngineLoop:
                 if isinstance(item, BaseException):
                     finished = True  # the loop has dropped it already
                     raise item
-                finished = item.finished
+                finished = not isinstance(item, int) and item.finished
                 yield item
                 if finished:
                     return
@@ -230,7 +234,7 @@ class EngineLoop:
         A request the engine failed alone ends its stream with RequestFailedError; a step
         that raises (the engine's state is then unknown) fails every request here."""
         try:
-            outputs = self.engine.step()
+            request_ids, token_ids, outputs = self.engine.step_delta()
         except Exception as exc:
             logger.exception("engine step failed; failing every request here")
             for request_id, failed in list(self._streams.items()):
@@ -242,6 +246,11 @@ class EngineLoop:
             self._streams.clear()
             return False
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        streams = self._streams
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            stream = streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, token_id))
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -256,4 +265,4 @@ class EngineLoop:
             _deliver(loop, items)
         # A prefill chunk yields no output but is progress: only an empty running set (waiting
         # requests that do not fit yet) is a reason to back off.
-        return bool(outputs) or bool(self.engine.scheduler.running)
+        return bool(outputs) or bool(request_ids) or bool(self.engine.scheduler.running)
