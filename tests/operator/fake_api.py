@@ -6,8 +6,8 @@ with the answers. It refuses what a real server refuses that the operator's test
 custom resources that break their CRD's structural schema or CEL rules (fake_schema.py:
 defaulted, unknown fields pruned, or refused under fieldValidation=Strict), and an apply
 that changes a field another manager owns, unless forced (fake_ownership.py, shown as
-metadata.managedFields). Apply merges into the stored object (a field an apply stops
-sending stays). RBAC is not checked here: tests/operator/cluster.py runs the same tests
+metadata.managedFields); a field an apply stops sending goes unless another manager owns
+it. RBAC is not checked here: tests/operator/cluster.py runs the same tests
 against a real API server for that.
 """
 
@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlparse
 import kubernetes
 
 from kvrelay_operator.kube import Kube
-from tests.operator.fake_ownership import Ownership
+from tests.operator.fake_ownership import Ownership, remove
 from tests.operator.fake_schema import Refused, admit
 
 APPLY = "application/apply-patch+yaml"
@@ -100,8 +100,10 @@ class FakeApi:
             raise Refused(400, "BadRequest", "metadata.managedFields must be nil")
         current = self.objects.get(path)
         force = (query.get("force") or [""])[0] == "true"
-        self.ownership.apply(path, current, body, manager, force)  # 409 before any change
+        released = self.ownership.apply(path, current, body, manager, force)  # 409 first
         merged = _merge(copy.deepcopy(current or {}), body)
+        for leaf in released:  # sent before, not now, owned by no one else: removed
+            remove(merged, leaf)
         obj = admit(path, merged, current, _strict(query))
         return (200 if current else 201), self._store(path, obj)
 

@@ -2,9 +2,9 @@
 as `metadata.managedFields` in the API's own FieldsV1 form, and the 409 Conflict an apply
 gets for changing a field another manager owns unless it forces.
 
-Simplified where the operator's tests do not depend on more: a list is one field (the real
-server merges lists keyed by name field by field), and a field an apply stops sending keeps
-its value (the real server removes it when no other manager owns it).
+A field an apply stops sending is removed when no other manager owns it, as the real server
+does (`released`). Simplified where the operator's tests do not depend on more: a list is one
+field (the real server merges lists keyed by name field by field).
 """
 
 from __future__ import annotations
@@ -39,6 +39,21 @@ def _lookup(obj: Any, path: Path) -> tuple[bool, Any]:
     return True, obj
 
 
+def remove(obj: Obj, leaf: Path) -> None:
+    """Delete `leaf` from `obj`, and the objects it leaves empty."""
+    parents = [obj]
+    for key in leaf[:-1]:
+        child = parents[-1].get(key)
+        if not isinstance(child, dict):
+            return
+        parents.append(child)
+    parents[-1].pop(leaf[-1], None)
+    for depth in range(len(leaf) - 1, 0, -1):
+        if parents[depth]:
+            break
+        parents[depth - 1].pop(leaf[depth - 1], None)
+
+
 def fields_v1(paths: set[Path]) -> Obj:
     """`paths` as the API's FieldsV1: {"f:spec": {"f:replicas": {}}}."""
     out: Obj = {}
@@ -55,8 +70,11 @@ class Ownership:
 
     owners: dict[str, dict[Entry, set[Path]]] = field(default_factory=dict)
 
-    def apply(self, path: str, current: Obj | None, body: Obj, manager: str, force: bool) -> None:
-        """Record `manager`'s apply of `body`; raises Refused (409) on a conflict."""
+    def apply(
+        self, path: str, current: Obj | None, body: Obj, manager: str, force: bool
+    ) -> set[Path]:
+        """Record `manager`'s apply of `body`; the fields it released (sent before, not now,
+        owned by no one else), which the server removes. Raises Refused (409) on a conflict."""
         applied = leaf_paths(body) - _NOT_FIELDS
         entries = self.owners.setdefault(path, {})
         conflicts = []
@@ -76,8 +94,11 @@ class Ownership:
         for _, leaf in conflicts:  # forced: the fields move to `manager`
             for owned in entries.values():
                 owned.discard(leaf)
+        before = entries.get((manager, "Apply", ""), set())
         entries[(manager, "Apply", "")] = applied
+        others = set().union(*(o for e, o in entries.items() if e != (manager, "Apply", "")))
         self._drop_empty(path)
+        return {leaf for leaf in before - applied if leaf not in others}
 
     def update(self, path: str, patch: Obj, manager: str, subresource: str = "") -> None:
         """Record an update (create, merge patch, status, scale): it takes the fields it sets

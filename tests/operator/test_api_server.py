@@ -2,8 +2,9 @@
 `$KVRELAY_TEST_KUBECONFIG`, a real one (issue 43): the operator makes a service's children
 with the chart's RBAC only; the server refuses services their CRD refuses (structural
 schema, CEL rules, transition rules), prunes unknown fields or refuses them under Strict;
-two field managers conflict unless one forces, and the operator never takes the replicas a
-scaler set. The fake-only tests at the end cover what a real server needs no test for."""
+two field managers conflict unless one forces, a field an apply stops sending goes, and the
+operator never takes the replicas a scaler set. The fake-only tests at the end cover what a
+real server needs no test for."""
 
 from __future__ import annotations
 
@@ -139,6 +140,26 @@ def test_two_field_managers_conflict_unless_one_forces(api: Cluster) -> None:
     owners = {e["manager"]: e["fieldsV1"] for e in answer["metadata"]["managedFields"]}
     assert "f:replicas" in owners["gitops"]["f:spec"]
     assert "f:replicas" not in owners.get("person", {}).get("f:spec", {})
+
+
+def test_a_field_an_apply_stops_sending_goes_unless_another_manager_owns_it(
+    api: Cluster,
+) -> None:
+    first = _pool(api)
+    first["metadata"]["labels"] = {"a": "1", "b": "2"}
+    first["metadata"]["annotations"] = {"note": "x"}
+    assert _apply(api, first, "gitops")[0] == 201
+    path = _path(api, "KVRelayPool", "demo-decode")
+    patch = {"metadata": {"labels": {"c": "3"}}}
+    query = [("fieldManager", "person")]
+    assert api.call("PATCH", path, patch, query, "application/merge-patch+json")[0] == 200
+    second = _pool(api)
+    second["metadata"]["labels"] = {"a": "1"}
+    status, answer = _apply(api, second, "gitops")
+    assert status == 200
+    assert answer["metadata"]["labels"] == {"a": "1", "c": "3"}
+    assert "annotations" not in answer["metadata"]
+    assert answer["spec"]["replicas"] == 2  # still sent
 
 
 def test_a_pools_identity_cannot_change(api: Cluster) -> None:
