@@ -52,7 +52,8 @@ def _decode_group(fake: FakeApi, cluster: str) -> dict[str, Any]:
 
 
 def _last_applied_decode_group(fake: FakeApi, cluster: str) -> dict[str, Any]:
-    """What the last apply sent (the fake merges, so a dropped field stays stored)."""
+    """What the last apply sent: the body the operator chose, not what the store holds after
+    the server merged it with other managers' fields."""
     applied = [r for r in fake.applied() if r.path == f"{RAYS}/{cluster}"]
     groups = applied[-1].body["spec"]["workerGroupSpecs"]
     return next(g for g in groups if g["groupName"] == "decode")
