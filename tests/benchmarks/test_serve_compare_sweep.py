@@ -99,8 +99,9 @@ def test_the_sweep_measures_each_server_and_survives_a_broken_one(
     assert not ran_on["load_end"].startswith("not recorded")
     commands = ran_on["commands"]
     assert "serve_compare.py --servers broken,stand-in --max-concurrency 1,4" in commands[0]
-    assert commands[1].startswith("# broken server\n")  # failed: no client line follows it
-    assert commands[2].startswith("# stand-in server\n") and "-m http.server" in commands[2]
+    assert commands[1].startswith("# broken server (load average ")  # no client line after
+    assert commands[2].startswith("# stand-in server (load average ")
+    assert " at its start)\n" in commands[2] and "-m http.server" in commands[2]
     client = [c for c in commands if " bench serve " in c]
     assert [c.split("--max-concurrency ")[1].split()[0] for c in client] == ["1", "4"]
     assert "```" in text and client[-1] in text
