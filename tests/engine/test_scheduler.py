@@ -196,6 +196,44 @@ def test_finish_while_waiting_for_remote_kv_frees_its_blocks() -> None:
     assert s.kv_cache.pool.is_whole()
 
 
+def test_landed_remote_kv_waits_for_a_seat_keeping_its_blocks() -> None:
+    """A full batch (max_num_seqs) is full for a prefill engine's requests too: one whose KV
+    lands then waits, its blocks kept (no recompute), and decodes when a seat frees."""
+    s = make_scheduler(max_seqs=1)
+    local = make_request("local", 5)
+    s.add(local)
+    run_step(s, s.schedule())
+    request = remote_request(s)
+    s.finish_remote_kv(request, ok=True)
+    assert s.running == [local] and s.waiting == [request]
+    assert request.status == RequestStatus.WAITING
+    table = s.kv_cache.block_table("p")
+    for _ in range(3):
+        out = s.schedule()
+        assert plan(out) == [
+            ("local", len(local.prompt_token_ids) + len(local.output_token_ids) - 1, 1)
+        ]
+        run_step(s, out)
+    assert s.kv_cache.block_table("p") == table  # held, not freed meanwhile
+    s.finish(local, RequestStatus.FINISHED_STOPPED)
+    assert plan(s.schedule()) == [("p", 10, 1)]  # its first decode: the prompt not recomputed
+    assert s.running == [request] and not s.waiting
+    s.finish(request, RequestStatus.FINISHED_STOPPED)
+    assert s.kv_cache.pool.is_whole()
+
+
+def test_aborting_a_landed_request_waiting_for_a_seat_frees_its_blocks() -> None:
+    s = make_scheduler(max_seqs=1)
+    s.add(make_request("local", 5))
+    run_step(s, s.schedule())
+    request = remote_request(s)
+    s.finish_remote_kv(request, ok=True)
+    s.finish(request, RequestStatus.FINISHED_ABORTED)
+    assert not s.waiting and s.num_unfinished == 1
+    s.finish(s.running[0], RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache.pool.is_whole()
+
+
 # --- pure decode steps (what the runner builds from its persistent batch) ---------------------
 
 

@@ -138,6 +138,27 @@ def test_a_tenant_arriving_at_a_full_batch_takes_seats_up_to_its_share() -> None
     assert_all_freed(s)
 
 
+def test_a_request_landed_from_a_prefill_engine_takes_a_seat_by_share() -> None:
+    """A decode engine's full batch: B's request, whose KV was pulled from a prefill engine,
+    waits holding its blocks and takes the seat of A's newest (A over its share), decoding
+    at once without recomputing its prompt."""
+    s = sched(max_seqs=4)
+    flood(s, "A", 6)
+    step(s)
+    assert running(s) == {"A": 4}
+    landed = req("B0", "B", prompt=8)
+    landed.output_token_ids.append(7)  # the prefill engine's first token
+    assert s.kv_cache.allocate_slots("B0", 8)
+    s.add_waiting_for_remote_kv(landed)
+    s.finish_remote_kv(landed, ok=True)
+    assert landed in s.waiting  # the batch is full
+    out = step(s)
+    assert ids(out.preempted) == ["A3"]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks][-1] == ("B0", 8, 1)
+    assert running(s) == {"A": 3, "B": 1}
+    assert_all_freed(s)
+
+
 # --- preemption --------------------------------------------------------------------------------
 
 

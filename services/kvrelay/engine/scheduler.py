@@ -150,15 +150,21 @@ class Scheduler:
         self.waiting_for_remote_kv[request.request_id] = request
 
     def finish_remote_kv(self, request: Request, ok: bool) -> None:
-        """The pull for `request` is over. `ok`: its prompt's K/V are in its blocks, so it joins
-        the running batch (full blocks prefix-cached). Otherwise its blocks are freed and it
-        waits to recompute its prompt here."""
+        """The pull for `request` is over. `ok`: its prompt's K/V are in its blocks (full
+        blocks prefix-cached), so it joins the running batch, or, when the batch holds
+        `max_num_seqs` already, waits for a seat keeping its blocks (admitted like any waiting
+        request, by tenant share: a prefill engine's requests obey the seat limit too).
+        Otherwise its blocks are freed and it waits to recompute its prompt here."""
         del self.waiting_for_remote_kv[request.request_id]
         if ok:
             request.num_computed_tokens = request.num_prompt_tokens
             self.kv_cache.cache_full_blocks(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if len(self.running) < self.config.max_num_seqs:
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self.waiting.append(request)
         else:
             self.kv_cache.free(request.request_id)
             request.num_computed_tokens = 0
@@ -313,7 +319,8 @@ class Scheduler:
     def _allocate_waiting(self, request: Request, budget: int) -> int | None:
         """Allocate waiting `request`'s first chunk (prefix-cache hits reused); its size, or
         None when the KV pool has no room for it."""
-        assert request.num_computed_tokens == 0, "a waiting request holds no KV"
+        if request.num_computed_tokens:  # landed from a prefill engine: holds its prompt's KV
+            return self._allocate_landed(request, budget)
         cached = self.kv_cache.find_cached_prefix(request)
         if request.sampling_params.prompt_logprobs is not None:
             cached = cacheable_blocks(request, cached, self.kv_cache.block_size)
@@ -329,6 +336,17 @@ class Scheduler:
             self.kv_cache.stats.queries += request.num_tokens
             self.kv_cache.stats.hits += num_cached
         request.num_cached_tokens = num_cached
+        return size
+
+    def _allocate_landed(self, request: Request, budget: int) -> int | None:
+        """Allocate the next chunk (its first decode) of a request waiting with its prompt's
+        KV in place; its size, or None when the KV pool has no room for it."""
+        start = request.num_computed_tokens
+        size = self._chunk_size(request, budget)
+        if not self.kv_cache.allocate_slots(
+            request.request_id, start + size, num_computed_tokens=start
+        ):
+            return None
         return size
 
     def _make_room(
