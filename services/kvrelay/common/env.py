@@ -15,7 +15,7 @@ the operator sets on its pods, and the two it reads; it imports neither kvrelay 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -32,6 +32,17 @@ class EnvVar:
     def get(self, environ: Mapping[str, str] | None = None) -> str:
         """The value in `environ` (None: `os.environ`, read now), else `default`."""
         return (os.environ if environ is None else environ).get(self.name, self.default)
+
+    def choice(self, choices: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
+        """The value (empty: `default`), one of `choices`.
+
+        Raises:
+            ValueError: another value, naming the variable and the choices.
+        """
+        value = self.get(environ) or self.default
+        if value not in choices:
+            raise ValueError(f"{self.name}={value!r}: use one of {', '.join(choices)}")
+        return value
 
     def shown_default(self) -> str:
         """The default as docs/operations.md states it."""

@@ -64,10 +64,7 @@ def many_rows_choice() -> str:
     Raises:
         ValueError: another value.
     """
-    choice = CPU_MANY_ROWS.get() or CPU_MANY_ROWS.default
-    if choice not in _CHOICES:
-        raise ValueError(f"{MANY_ROWS_ENV}={choice!r}: use one of {', '.join(_CHOICES)}")
-    return choice
+    return CPU_MANY_ROWS.choice(_CHOICES)
 
 
 def crossover_rows(timings: Mapping[int, tuple[float, float]], margin: float = _MARGIN) -> int:

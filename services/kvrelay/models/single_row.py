@@ -32,10 +32,7 @@ def single_row_choice() -> str:
     Raises:
         ValueError: another value.
     """
-    choice = CPU_SINGLE_ROW.get() or CPU_SINGLE_ROW.default
-    if choice not in _CHOICES:
-        raise ValueError(f"{SINGLE_ROW_ENV}={choice!r}: use one of {', '.join(_CHOICES)}")
-    return choice
+    return CPU_SINGLE_ROW.choice(_CHOICES)
 
 
 def choose_single_row_paths(
