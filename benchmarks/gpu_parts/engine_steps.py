@@ -2,8 +2,9 @@
 time in the same steps (how much of a step the GPU waits on the host), the step-time targets,
 and kernels per decoder layer of an eager step (what fusion work has left to merge).
 
-Wall time is the host clock around `engine.step()` (each step ends with the engine's one host
-sync for the sampled tokens), median of steady-state steps. Device time is the union of the
+Wall time is the host clock around `engine.step_delta()` (the served step: new tokens as rows,
+not cumulative outputs; each step ends with the engine's one host sync for the sampled tokens),
+median of steady-state steps. Device time is the union of the
 CUDA activities torch.profiler (CUPTI) records in separate steps, divided by their number: a
 profiled step runs slower on the host, but its kernels take what they take.
 """
@@ -74,7 +75,7 @@ def profile_steps(engine: Any, steps: int, cuda: bool) -> list[Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            engine.step()
+            engine.step_delta()
         if cuda:
             torch.cuda.synchronize()
     return list(prof.events())
@@ -98,7 +99,7 @@ def step_time(
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            engine.step()
+            engine.step_delta()
             times.append(time.perf_counter() - start)
         gpu_ms = None
         if profiled:
