@@ -197,12 +197,13 @@ def engine_generate(
     engine: Any, prompts: list[list[int]], max_tokens: int, *, ignore_eos: bool = True
 ) -> list[list[int]]:
     """Greedy outputs of `prompts`, all added at once (continuous batching); with
-    `ignore_eos` off a sequence ends at (and includes) an EOS."""
+    `ignore_eos` off a sequence ends at (and includes) an EOS. Stepped as a server steps
+    (`step_delta`: a finished request's whole output is among its `outputs`)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(max_tokens, ignore_eos=ignore_eos))
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step_delta().outputs:
             if output.finished:
                 done[output.request_id] = list(output.outputs[0].token_ids)
     return [done[str(i)] for i in range(len(prompts))]
