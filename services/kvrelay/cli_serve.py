@@ -389,6 +389,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         else f"{num_prefill} prefill + {ns.num_decode} decode worker(s), KV relay over {transfer}"
     )
     print(f"kvrelay: starting {pools_text} on Ray...", flush=True)
+    from kvrelay.serve_hint import small_machine_hint
+
+    if hint := small_machine_hint(os.cpu_count(), ns.colocated):  # P/D or colocated, measured
+        print(hint, flush=True)
     pools = Pools.start(
         str(engine_args.resolve_model_path()),
         num_prefill,

@@ -1,0 +1,73 @@
+"""`kvrelay serve`'s one-line hint on a small machine: which of P/D and colocated served faster
+when both shared the same few cores, as serve_compare.py measured it (the figures, their CPU
+and date are below; docs/benchmarks.md has the run). Pure: it prints nothing and reads no
+hardware itself; the caller passes the core count and prints the line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# At or below this many cores P/D's workers split the cores between them (`kvrelay serve`
+# gives each worker cores // workers threads), so one request's prefill or decode runs on
+# half the machine while the other half waits: the case the measurement below is about.
+SMALL_MACHINE_CORES = 4
+DOCS = "docs/benchmarks.md, 'P/D or colocated on a small machine'"
+
+
+@dataclass(frozen=True)
+class ModeMeasurement:
+    """Colocated over P/D in one serve_compare run (bf16, `vllm bench serve`, 128 in / 128
+    out): output tok/s at each stream count, TTFT p50 at one stream, ITL p99 at the most."""
+
+    where: str  # the CPU and the date, as the results file names them
+    tok_s: dict[int, float]  # colocated / P/D output tok/s, by concurrent streams
+    ttft_1: float  # colocated / P/D TTFT p50 at 1 stream (< 1: colocated's came sooner)
+    itl_p99_top: float  # colocated / P/D ITL p99 at the most streams (> 1: colocated's worse)
+
+    def colocated_wins(self) -> bool:
+        """Colocated is the pick when it served more tokens at every stream count measured."""
+        return min(self.tok_s.values()) > 1.0
+
+
+# benchmarks/results/2026-12-05_serve_compare_epyc.md (16:35-16:42 UTC, commit cb81fbe): P/D
+# 78.7 / 239.7 / 412.2 tok/s, colocated 47.2 / 54.6 / 119.2; TTFT p50 @1 187 vs 102 ms; ITL p99
+# @16 48 vs 1198 ms. Colocated's one worker runs a 2-thread OpenMP team, which any other work
+# on the 2 cores stalls at every barrier; P/D's two 1-thread workers just get less CPU.
+MEASURED = ModeMeasurement(
+    where="bf16 on a 2-core AMD EPYC, Zen 4, no AMX, load 3-4, 2026-12-05",
+    tok_s={1: 47.2 / 78.7, 4: 54.6 / 239.7, 16: 119.2 / 412.2},
+    ttft_1=102 / 187,
+    itl_p99_top=1198 / 48,
+)
+
+
+def _ratios(tok_s: dict[int, float], whose: str) -> str:
+    """e.g. "1.10-1.50x P/D's output tok/s at 1/4/16 streams" (one figure when all agree)."""
+    low, high = min(tok_s.values()), max(tok_s.values())
+    span = f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
+    streams = "/".join(str(c) for c in sorted(tok_s))
+    return f"{span} {whose} output tok/s at {streams} streams"
+
+
+def small_machine_hint(
+    cores: int | None, colocated: bool, measured: ModeMeasurement = MEASURED
+) -> str | None:
+    """The line `kvrelay serve` prints at start on a machine of `cores` cores in the chosen
+    mode, or None where it has nothing measured to say (more cores than SMALL_MACHINE_CORES,
+    or the core count unknown)."""
+    if cores is None or cores > SMALL_MACHINE_CORES:
+        return None
+    latency = (
+        f"colocated's TTFT p50 at 1 stream was {measured.ttft_1:.2f}x P/D's, its ITL p99 "
+        f"{measured.itl_p99_top:.1f}x P/D's"
+    )
+    if measured.colocated_wins():
+        served = _ratios(measured.tok_s, "P/D's")
+        verdict = f"--colocated served {served}; {latency}"
+        advice = "colocated is the pick here" if colocated else "--colocated serves faster here"
+    else:
+        pd_over_colocated = {c: 1.0 / r for c, r in measured.tok_s.items()}
+        served = _ratios(pd_over_colocated, "colocated's")
+        verdict = f"P/D served {served}; {latency}"
+        advice = "P/D (the default) is the pick here" if not colocated else "drop --colocated"
+    return f"kvrelay: hint: {cores} cores: {advice}; {verdict} ({measured.where}); see {DOCS}"
