@@ -176,7 +176,7 @@ def test_the_table_covers_every_flag_of_every_command() -> None:
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
     )
     switches = {"--no-prefix-caching", "--enforce-eager", "--colocated", "--manage-workers",
-                "--enable-docs", "--ignore-eos"}  # fmt: skip
+                "--enable-docs", "--ignore-eos", "--allow-unauthenticated"}  # fmt: skip
     for command in BASE:
         covered = {flag for commands, flag, _, _ in CASES if command in commands}
         flags = _value_flags(subparsers.choices[command]) - FREE_FLAGS - switches

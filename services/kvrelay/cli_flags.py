@@ -9,6 +9,7 @@ Nothing here imports torch or starts anything.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import re
@@ -147,3 +148,48 @@ def header_name(text: str) -> str:
     if text.lower() in ("authorization", "content-type", "content-length", "host"):
         raise argparse.ArgumentTypeError(f"{text} is read by the server itself; name another")
     return text
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` reaches this machine only: 127.0.0.0/8, ::1 or `localhost`.
+    Any other name counts as open, since it may resolve to any address."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_api_error(hosts: Mapping[str, str], authenticated: bool, key_env: str) -> str | None:
+    """What is wrong with serving on `hosts` (flag -> address), or None: an address that is
+    not loopback while nothing authenticates a caller (no API key, no tenant key, no client
+    certificates). The rule: nothing we listen on serves data without authentication."""
+    if authenticated:
+        return None
+    for flag, host in hosts.items():
+        if not is_loopback(host):
+            return (
+                f"argument {flag}: {host} is not a loopback address and the API has no "
+                f"authentication, so anyone who can reach it could use it: set {key_env} "
+                "(--api-key-env names the variable), require client certificates with "
+                "--ssl-ca-certs, or pass --allow-unauthenticated to accept the risk"
+            )
+    return None
+
+
+def check_open_api(ns: argparse.Namespace, api_key: str | None) -> bool:
+    """Whether the APIs serve off loopback without authentication, which only
+    --allow-unauthenticated accepts (else ValueError: open_api_error's line). Keys listed in
+    --tenant-limits authenticate too: with any listed, every /v1 call needs one."""
+    keys: dict[str, str] = {}
+    if ns.tenant_limits:
+        from kvrelay.router.tenant_limits import load_table
+
+        keys = load_table(ns.tenant_limits).keys
+    authenticated = bool(api_key or ns.ssl_ca_certs or keys)
+    hosts = {"--http-host": ns.http_host, "--grpc-host": ns.grpc_host}
+    problem = open_api_error(hosts, authenticated, ns.api_key_env)
+    if problem is not None and not ns.allow_unauthenticated:
+        raise ValueError(problem)
+    return problem is not None

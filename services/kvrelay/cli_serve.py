@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from kvrelay.cli_flags import (
+    check_open_api,
     header_name,
     int_at_least,
     non_empty,
@@ -63,6 +64,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="environment variable holding the API key clients must send; unset or empty "
         "means no key (default KVRELAY_API_KEY)",
     )
+    add("--allow-unauthenticated", action="store_true", help="serve on a non-loopback "
+        "--http-host/--grpc-host without an API key or client certificates (refused "
+        "otherwise): anyone who can reach the ports can use the APIs")  # fmt: skip
     add("--drain-timeout", type=seconds(zero=True), default=30.0,
         help="seconds in-flight requests get to finish on shutdown (default 30)")  # fmt: skip
     add(
@@ -298,7 +302,8 @@ def _check_worker(ns: argparse.Namespace) -> None:
 
 
 def _check_serving(ns: argparse.Namespace) -> None:
-    """A router's (and `serve`'s): the engine's rules and the TLS flags' pairs."""
+    """A router's (and `serve`'s): the engine's rules, the TLS flags' pairs and no API open
+    off loopback without --allow-unauthenticated."""
     _check_worker(ns)
     _server_config(ns)
 
@@ -326,6 +331,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 
 def _server_config(ns: argparse.Namespace) -> Any:
+    api_key = ns.api_key or os.environ.get(ns.api_key_env) or None
+    open_api = check_open_api(ns, api_key)  # refused before the server's modules load Ray's
     from kvrelay.api.server import ServerConfig
 
     return ServerConfig(
@@ -333,7 +340,7 @@ def _server_config(ns: argparse.Namespace) -> Any:
         ns.http_port,
         ns.grpc_host,
         ns.grpc_port,
-        ns.api_key or os.environ.get(ns.api_key_env) or None,
+        api_key,
         ns.drain_timeout,
         ns.max_body_bytes,
         ssl_certfile=ns.ssl_certfile,
@@ -342,6 +349,7 @@ def _server_config(ns: argparse.Namespace) -> Any:
         enable_docs=ns.enable_docs,
         tenant_limits=ns.tenant_limits,
         tenant_header=ns.tenant_header,
+        open_api=open_api,
     )
 
 

@@ -45,6 +45,9 @@ class ServerConfig:
     # the header naming a request's tenant (default: its API key's tenant).
     tenant_limits: str | None = None
     tenant_header: str | None = None
+    # A non-loopback address without authentication, accepted by --allow-unauthenticated
+    # (the CLI refuses it otherwise): start() says so in one WARNING line.
+    open_api: bool = False
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -138,6 +141,13 @@ class ApiServer:
         else:
             self.grpc_port = self._grpc.add_secure_port(address, self._grpc_credentials)
         await self._grpc.start()
+        if cfg.open_api:
+            logger.warning(
+                "--allow-unauthenticated: HTTP on %s and gRPC on %s serve without an API key "
+                "or client certificates; anyone who can reach them can use them",
+                cfg.http_host,
+                cfg.grpc_host,
+            )
         self._readiness = asyncio.create_task(self._mirror_readiness())
         self._http_task = asyncio.create_task(self._http.serve())
         while not self._http.started:
