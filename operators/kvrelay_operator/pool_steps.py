@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay_operator.api_key import api_key_ref
 from kvrelay_operator.autoscale import parse_rfc3339
 from kvrelay_operator.drain import PodInfo, ScaleDown, Step, WorkerInfo, next_step
 from kvrelay_operator.errors import PermanentError
@@ -69,17 +70,16 @@ def group_sizes(cluster: Mapping[str, Any] | None) -> dict[str, int]:
 
 
 def _router_api_key(kube: Kube, spec: ServiceSpec) -> str:
-    if not spec.router.api_key_secret:
-        return ""
+    name, key = api_key_ref(spec)  # the service's Secret, or the one the operator made
     try:
-        secret = kube.get("v1", "Secret", spec.namespace, spec.router.api_key_secret)
+        secret = kube.get("v1", "Secret", spec.namespace, name)
     except PermanentError as exc:
         if exc.status != 403:
             raise
         # rbac.secrets off: the drain is refused (401) and the shrink waits for its timeout.
         log.warning("%s: cannot read the router's API key to drain workers: %s", spec.name, exc)
         return ""
-    value = ((secret or {}).get("data") or {}).get(spec.router.api_key_key, "")
+    value = ((secret or {}).get("data") or {}).get(key, "")
     return base64.b64decode(value).decode() if value else ""
 
 

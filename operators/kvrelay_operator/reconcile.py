@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay_operator.api_key import ensure_api_key_secret
 from kvrelay_operator.autoscale import rfc3339
 from kvrelay_operator.desired import apply_body, desired_kv_secret, desired_objects, stale_kinds
 from kvrelay_operator.drain import Step
@@ -157,6 +158,7 @@ def _apply_children(ctx: Context, spec: ServiceSpec, target: str, previous: Any)
     kube = ctx.kube
     _ensure_kv_secret(kube, spec)
     ensure_ray_auth_secret(kube, spec)
+    ensure_api_key_secret(kube, spec)  # every router has a key: none given, ours
     observed = observed_pool_replicas(kube, spec)
     wanted = {
         pool: spec.pool(pool).replicas if size is None else size for pool, size in observed.items()

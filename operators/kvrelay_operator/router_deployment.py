@@ -7,6 +7,7 @@ Ray cluster through KubeRay's head Service and manages the worker actors itself.
 from __future__ import annotations
 
 from kvrelay_operator import podparts
+from kvrelay_operator.api_key import api_key_ref
 from kvrelay_operator.env import API_KEY_ENV
 from kvrelay_operator.names import (
     GRPC_PORT,
@@ -44,28 +45,20 @@ def router_command(spec: ServiceSpec, revision: str) -> list[str]:
         "--manage-workers",
         "--transfer-backend",
         spec.transfer_backend,
+        # Always a key (api_key.py): the service's Secret, or the one the operator made.
+        "--api-key-env",
+        API_KEY_ENV,
     ]
-    if spec.router.api_key_secret:
-        command += ["--api-key-env", API_KEY_ENV]
     return command + list(spec.engine_args)
 
 
 def _router_env(spec: ServiceSpec, revision: str) -> list[Obj]:
     # The KV secret: the workers this router starts get it from the router. The Ray token:
-    # its Ray client must show it to the head (ray_access.py).
+    # its Ray client must show it to the head (ray_access.py). The API key: a required
+    # secretKeyRef, so a router never starts without it (api_key.py).
     env = podparts.base_env(spec, "router", revision) + podparts.kv_env(spec) + ray_auth_env(spec)
-    if spec.router.api_key_secret:
-        env.append(
-            {
-                "name": API_KEY_ENV,
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": spec.router.api_key_secret,
-                        "key": spec.router.api_key_key,
-                    }
-                },
-            }
-        )
+    name, key = api_key_ref(spec)
+    env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     return env
 
 

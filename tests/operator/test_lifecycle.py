@@ -232,11 +232,12 @@ def test_a_named_kv_secret_is_used_and_none_is_created(api: tuple[FakeApi, Kube]
     fake, kube = api
     fake.put(SVC, service_body({"kvTransfer": {"secretName": "my-kv"}}))
     _run(fake, kube, T0)
-    # The Ray token Secret is the only one the operator asks for (ray_access.py).
+    # The Ray token's and the routers' API key's are the only Secrets the operator asks for
+    # (ray_access.py, api_key.py).
     asked = {r.path.rsplit("/", 1)[-1] for r in fake.requests if "/secrets" in r.path}
-    assert asked == {"demo-ray-auth", "secrets"}  # its GET, and its create (the collection)
+    assert asked == {"demo-ray-auth", "demo-api-key", "secrets"}  # GETs, creates (collection)
     created = [r.body["metadata"]["name"] for r in fake.requests if r.path.endswith("/secrets")]
-    assert created == ["demo-ray-auth"]
+    assert created == ["demo-ray-auth", "demo-api-key"]
     cluster = fake.objects[f"{RAYS}/{cluster_of({'kvTransfer': {'secretName': 'my-kv'}})}"]
     pod = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-secret"]

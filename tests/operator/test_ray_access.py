@@ -161,7 +161,7 @@ def test_without_secret_rights_the_reconcile_goes_on_and_says_what_is_needed(
     fake.put(SVC, service_body({"kvTransfer": {"secretName": "mine"}}))
     with caplog.at_level(logging.WARNING, logger="kvrelay_operator.ray_access"):
         _reconcile(fake, kube)
-    (record,) = caplog.records
+    (record,) = [r for r in caplog.records if r.name == "kvrelay_operator.ray_access"]
     assert "demo-ray-auth" in record.getMessage() and "rbac.secrets" in record.getMessage()
     assert TOKEN_SECRET not in fake.objects
     # The pods still ask for the token: without the Secret they do not start.
