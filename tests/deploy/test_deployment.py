@@ -155,6 +155,7 @@ def test_the_operator_makes_exactly_these_objects(deployment: dict[str, Any]) ->
             ("PodDisruptionBudget", "chat-router"),
             ("RayCluster", f"chat-{new[:8]}"),
             ("RayCluster", f"chat-{old[:8]}"),
+            ("Secret", "chat-api-key"),  # the example names no apiKeySecret
             ("Secret", "chat-kv"),
             ("Secret", "chat-ray-auth"),
             ("Service", "chat-router"),

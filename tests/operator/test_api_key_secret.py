@@ -184,3 +184,11 @@ def test_the_chart_lets_the_operator_read_and_create_the_secret(chart: helm.Char
     assert {("", "secrets", "get"), ("", "secrets", "create")} <= granted
     closed = _granted(_rules(render(chart, {"rbac": {"secrets": False}})))
     assert ("", "secrets", "create") not in closed  # then the warning above says what to do
+
+
+def test_the_charts_notes_say_where_the_key_is(chart: helm.Chart) -> None:
+    """The NOTES' curl works against a router that requires the key."""
+    notes = chart.render(values={}, name="kv", namespace="ns", is_install=True)
+    text = next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
+    assert "kubectl get secret demo-api-key -o jsonpath='{.data.api-key}'" in text
+    assert 'curl http://127.0.0.1:8000/v1/models -H "Authorization: Bearer $KEY"' in text
