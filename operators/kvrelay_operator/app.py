@@ -123,6 +123,7 @@ def run_operator(args: argparse.Namespace) -> int:
         default_image=args.image,
         metrics=metrics,
         pull_secrets=tuple(dict.fromkeys(args.image_pull_secret)),
+        watched=None if args.all_namespaces else tuple(args.namespace),
     )
     kopf.run(
         registry=build_registry(args.resync_seconds, args.planner_seconds),

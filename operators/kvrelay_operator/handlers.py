@@ -60,6 +60,9 @@ class OperatorState:
     router_url: Callable[[ServiceSpec], str] = admin_url
     # Pull secrets of every service pod (the chart's imagePullSecrets), besides the service's.
     pull_secrets: tuple[str, ...] = ()
+    # The namespaces watched (None: all): a new default image rolls one service of them at
+    # a time (default_gate.py).
+    watched: tuple[str, ...] | None = None
 
 
 @contextmanager
@@ -95,7 +98,14 @@ def with_operator_pull_secrets(body: Mapping[str, Any], secrets: tuple[str, ...]
 def _reconcile(body: Mapping[str, Any], state: OperatorState) -> None:
     body = with_operator_pull_secrets(body, state.pull_secrets)
     with _kopf_errors(state):
-        reconcile(state.kube, body, state.default_image, time.time(), state.router_url)
+        reconcile(
+            state.kube,
+            body,
+            state.default_image,
+            time.time(),
+            state.router_url,
+            state.watched,
+        )
 
 
 def build_registry(resync_seconds: float, planner_seconds: float) -> kopf.OperatorRegistry:

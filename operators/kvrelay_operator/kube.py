@@ -7,6 +7,7 @@ server-side apply under one field manager. API failures surface as `RetryableErr
 
 from __future__ import annotations
 
+import builtins
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -92,6 +93,17 @@ class Kube:
     ) -> list[dict[str, Any]]:
         path = resource_path(api_version, kind, namespace)
         result = self._call("GET", path, query=[("labelSelector", selector)])
+        return list((result or {}).get("items") or [])
+
+    def list_everywhere(
+        self, api_version: str, kind: str, namespaces: tuple[str, ...] | None
+    ) -> builtins.list[dict[str, Any]]:
+        """Every object of `kind` in `namespaces`, or in all namespaces where None (an
+        operator run with --all-namespaces, whose RBAC lists cluster-wide)."""
+        if namespaces is not None:
+            return [obj for ns in namespaces for obj in self.list(api_version, kind, ns, "")]
+        root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        result = self._call("GET", f"{root}/{PLURALS[kind]}")
         return list((result or {}).get("items") or [])
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:

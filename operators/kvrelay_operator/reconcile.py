@@ -20,6 +20,7 @@ from typing import Any
 
 from kvrelay_operator.api_key import ensure_api_key_secret
 from kvrelay_operator.autoscale import rfc3339
+from kvrelay_operator.default_gate import Choice, choose
 from kvrelay_operator.desired import apply_body, desired_kv_secret, desired_objects, stale_kinds
 from kvrelay_operator.drain import Step
 from kvrelay_operator.errors import PermanentError, RetryableError, SpecError
@@ -217,14 +218,26 @@ def _apply_rolling(
     return Applied(wanted, steps, outcome.serving, outcome.record, outcome.condition)
 
 
+def _record_choice(applied: Applied, choice: Choice) -> None:
+    """A service held in the queue for a new default image reports so (default_gate.py); a
+    roll records what started it."""
+    if choice.rollout is not None:
+        applied.rollout, applied.progressing = choice.rollout, choice.condition
+    elif applied.rollout is not None:
+        applied.rollout["trigger"] = choice.trigger
+
+
 def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
     default_image: str,
     now: float,
     router_url: Callable[[ServiceSpec], str] = admin_url,
+    watched: tuple[str, ...] | None = None,
 ) -> Observed:
-    """Bring one service's children to their desired state and write its status.
+    """Bring one service's children to their desired state and write its status; `watched`
+    names the operator's namespaces (None: all), whose services a new default image rolls
+    one at a time (default_gate.py).
 
     Raises:
         PermanentError: the spec is invalid or the API server rejected a child.
@@ -236,21 +249,26 @@ def reconcile(
     previous = body.get("status") or {}
     stamp = rfc3339(now)
     try:
-        spec = parse_service(body, default_image)
+        parse_service(body, default_image)
     except SpecError as exc:
         _write_error_status(kube, body, "InvalidSpec", str(exc), stamp)
         raise PermanentError(str(exc)) from exc
     try:
-        applied = _apply_children(ctx, spec, revision_hash(spec), previous)
+        choice = choose(kube, body, default_image, now, watched)
+        spec, target = choice.spec, revision_hash(choice.spec)
+        applied = _apply_children(ctx, spec, target, previous)
     except (RetryableError, PermanentError) as exc:
         reason = "ApplyRetrying" if isinstance(exc, RetryableError) else "ApplyFailed"
         _write_error_status(kube, body, reason, str(exc), stamp)
         raise
+    _record_choice(applied, choice)
     serving = applied.serving
     observed = observe(kube, spec, serving, applied.wanted)
     extra = [applied.progressing] if applied.progressing else []
     status = service_status(spec, observed, previous, stamp, extra)
     status["generation"] = serving  # the CRD status field keeps its name
+    # The serving revision's image: mid-roll (or rolled back) the one recorded before.
+    status["image"] = choice.image if serving == target else previous.get("image")
     if applied.rollout is not None:
         status["rollout"] = rollout_status(applied.rollout)
     status["scaleDown"] = {

@@ -6,7 +6,9 @@ The old RayCluster is re-applied from what the API server holds, with only its g
 changed: it was rendered from an older spec (or an older operator), which the operator no
 longer has, and rendering it from the new spec would change its pods under it.
 
-`status.rollout` keeps the roll's state, so a restarted operator carries on:
+`status.rollout` keeps the roll's state, so a restarted operator carries on (its `trigger`
+says whether a spec edit or the operator's default image started it; a default-image roll
+may first be `Waiting` its turn, default_gate.py):
     Rolling     the old revision serves; the new one grows within the surge budget
     Switched    the routers serve the new revision; the old RayCluster goes once no router
                 pod of its revision is left (revision.clusters_to_retire). A BlueGreen
@@ -58,6 +60,8 @@ ROLLOUT_FIELDS = (
     "progressAt",
     "specGeneration",
     "message",
+    "trigger",
+    "queuedAt",
 )
 
 

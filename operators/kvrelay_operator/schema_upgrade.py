@@ -8,11 +8,14 @@ from kvrelay_operator.schema_parts import Schema, int32, string
 from kvrelay_operator.upgrade import (
     DEFAULT_MAX_SURGE,
     DEFAULT_PROGRESS_DEADLINE_S,
+    FOLLOW_MODES,
+    ONE_AT_A_TIME,
     ROLLING,
     STRATEGIES,
 )
 
-ROLLOUT_PHASES = ("Rolling", "Switched", "Complete", "RolledBack")
+ROLLOUT_PHASES = ("Waiting", "Rolling", "Switched", "Complete", "RolledBack")
+TRIGGERS = ("Spec", "OperatorDefaults")
 
 
 def upgrade_schema() -> Schema:
@@ -45,6 +48,14 @@ def upgrade_schema() -> Schema:
                 "the new one; the next edit of the spec tries again.",
                 "default": False,
             },
+            "followOperatorDefaults": string(
+                "With spec.image empty, when a new operator default image rolls this "
+                "service: Immediate, OneAtATime (one such service at a time across the "
+                "operator's namespaces) or Never (until this field or the spec's image "
+                "changes).",
+                enum=list(FOLLOW_MODES),
+                default=ONE_AT_A_TIME,
+            ),
         },
     }
 
@@ -70,5 +81,29 @@ def rollout_status_schema() -> Schema:
                 "description": "RolledBack: the spec edit rolled back; a later edit retries.",
             },
             "message": string("Why the roll waits, if it does."),
+            "trigger": string(
+                "Spec: a spec edit; OperatorDefaults: the operator's default image.",
+                enum=list(TRIGGERS),
+            ),
+            "queuedAt": {
+                "type": "string",
+                "format": "date-time",
+                "description": "OperatorDefaults: when this roll started waiting its turn.",
+            },
+        },
+    }
+
+
+def image_status_schema() -> Schema:
+    return {
+        "type": "object",
+        "description": "The image the serving revision (status.generation) was rendered "
+        "with, and where the operator's default differs.",
+        "properties": {
+            "rendered": string("The image the serving revision's workers run."),
+            "pinned": {"type": "boolean", "description": "Whether spec.image named it."},
+            "newerDefault": string(
+                "The operator's default image, where it differs from the rendered one."
+            ),
         },
     }

@@ -18,7 +18,11 @@ from kvrelay_operator.schema_parts import (
     string,
 )
 from kvrelay_operator.schema_rdma import kv_transfer_schema
-from kvrelay_operator.schema_upgrade import rollout_status_schema, upgrade_schema
+from kvrelay_operator.schema_upgrade import (
+    image_status_schema,
+    rollout_status_schema,
+    upgrade_schema,
+)
 from kvrelay_operator.spec import (
     DNS_1035,
     HUB_ID_PATTERN,
@@ -386,6 +390,7 @@ def _service_status() -> Schema:
             },
             "generation": string("The worker generation the routers serve (a hash)."),
             "rollout": rollout_status_schema(),
+            "image": image_status_schema(),
             "scaleDown": {
                 "type": "object",
                 "description": "Shrinks in progress: the pods being drained, per pool.",

@@ -15,7 +15,9 @@ the old revision is then scaled back to its size and the new one removed.
 When a service rolls is its spec's business: the operator's own version is no part of the
 revision (revision.py), and a pinned `spec.image` ignores the operator's default image, so a
 `helm upgrade` of the operator rolls only services that leave `spec.image` empty (or whose
-pods it renders differently).
+pods it renders differently). How those follow a new default image is `followOperatorDefaults`
+(default_gate.py): Immediate, OneAtATime (one such service rolls at a time across the watched
+namespaces) or Never (the old default image stays until this is changed or the image pinned).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from kvrelay_operator.errors import SpecError
 ROLLING = "Rolling"
 BLUE_GREEN = "BlueGreen"
 STRATEGIES = (ROLLING, BLUE_GREEN)
+IMMEDIATE, ONE_AT_A_TIME, NEVER = "Immediate", "OneAtATime", "Never"
+FOLLOW_MODES = (IMMEDIATE, ONE_AT_A_TIME, NEVER)
 # One extra worker pod: a roll then never needs more than one free GPU slot, and where even
 # that is missing the old revision makes room by draining (rolling.py).
 DEFAULT_MAX_SURGE = 1
@@ -42,6 +46,7 @@ class UpgradeSpec:
     max_surge: int = DEFAULT_MAX_SURGE
     progress_deadline_s: int = DEFAULT_PROGRESS_DEADLINE_S
     auto_rollback: bool = False
+    follow_defaults: str = ONE_AT_A_TIME
 
     @property
     def rolling(self) -> bool:
@@ -52,17 +57,24 @@ class UpgradeSpec:
         """`spec.upgrade`, checked.
 
         Raises:
-            SpecError: an unknown strategy, a negative surge or a deadline under a minute.
+            SpecError: an unknown strategy or follow mode, a negative surge or a deadline
+                under a minute.
         """
         upgrade = UpgradeSpec(
             strategy=str(raw.get("strategy", ROLLING)),
             max_surge=_int(raw, "maxSurge", DEFAULT_MAX_SURGE),
             progress_deadline_s=_int(raw, "progressDeadlineSeconds", DEFAULT_PROGRESS_DEADLINE_S),
             auto_rollback=bool(raw.get("autoRollback", False)),
+            follow_defaults=str(raw.get("followOperatorDefaults", ONE_AT_A_TIME)),
         )
         if upgrade.strategy not in STRATEGIES:
             raise SpecError(
                 f"upgrade.strategy {upgrade.strategy!r} is not one of {', '.join(STRATEGIES)}"
+            )
+        if upgrade.follow_defaults not in FOLLOW_MODES:
+            raise SpecError(
+                f"upgrade.followOperatorDefaults {upgrade.follow_defaults!r} is not one of "
+                f"{', '.join(FOLLOW_MODES)}"
             )
         if upgrade.max_surge < 0:
             raise SpecError(f"upgrade.maxSurge must be >= 0, got {upgrade.max_surge}")

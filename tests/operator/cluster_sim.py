@@ -20,6 +20,9 @@ workers, with their in-flight counts, and the operator's drains mark them.
 
 Nothing here is in fake_api.py: it only writes objects into the fake's store, as the real
 controllers would into the API server.
+
+One sim simulates one service (`service`, "demo" by default) and its own `slots`: several
+services in one fake are several sims, each with its own router stub.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from tests.operator.router_stub import RouterStub
 NS = "llm"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 RAYS = f"/apis/ray.io/v1/namespaces/{NS}/rayclusters"
-DEPLOYMENT = f"/apis/apps/v1/namespaces/{NS}/deployments/demo-router"
 
 Obj = dict[str, Any]
 
@@ -63,6 +65,15 @@ class ClusterSim:
     failed: list[str] = field(default_factory=list)
     random_deletions: list[str] = field(default_factory=list)
     clock: int = 0
+    service: str = "demo"
+
+    @property
+    def deployment(self) -> str:
+        return f"/apis/apps/v1/namespaces/{NS}/deployments/{self.service}-router"
+
+    def _ours(self, cluster: str) -> bool:
+        """Whether a RayCluster (`<service>-<revision[:8]>`) is this sim's service's."""
+        return cluster.rsplit("-", 1)[0] == self.service
 
     # -- KubeRay and the scheduler -------------------------------------------------------
 
@@ -72,7 +83,7 @@ class ClusterSim:
             if not path.startswith(f"{PODS}/"):
                 continue
             pod_labels = obj["metadata"].get("labels") or {}
-            if "ray.io/group" not in pod_labels:
+            if "ray.io/group" not in pod_labels or not self._ours(pod_labels["ray.io/cluster"]):
                 continue
             if cluster is not None and pod_labels["ray.io/cluster"] != cluster:
                 continue
@@ -114,7 +125,7 @@ class ClusterSim:
         clusters = {
             path.rsplit("/", 1)[1]: obj
             for path, obj in self.api.objects.items()
-            if path.startswith(f"{RAYS}/")
+            if path.startswith(f"{RAYS}/") and self._ours(path.rsplit("/", 1)[1])
         }
         for pod in self.worker_pods():
             if pod["metadata"]["labels"]["ray.io/cluster"] not in clusters:
@@ -161,7 +172,8 @@ class ClusterSim:
     # -- the router Deployment -------------------------------------------------------------
 
     def router_pods(self) -> list[Obj]:
-        return [obj for path, obj in self.api.objects.items() if path.startswith(f"{PODS}/router-")]
+        prefix = f"{PODS}/{self.service}-router-"
+        return [obj for path, obj in self.api.objects.items() if path.startswith(prefix)]
 
     def _ready_workers(self, revision: str, pool: str) -> list[str]:
         return [
@@ -176,13 +188,16 @@ class ClusterSim:
         return sum(len(self._ready_workers(revision, pool)) for pool in ("prefill", "decode"))
 
     def _routers(self) -> None:
-        deployment = self.api.objects.get(DEPLOYMENT)
+        deployment = self.api.objects.get(self.deployment)
         if deployment is None:
             return
         wanted = deployment["spec"]["template"]["metadata"]["labels"][REVISION_LABEL]
-        name = f"router-{wanted[:8]}"
+        name = f"{self.service}-router-{wanted[:8]}"
         if f"{PODS}/{name}" not in self.api.objects:
-            meta = {"name": name, "labels": {**labels("demo", "router"), REVISION_LABEL: wanted}}
+            meta = {
+                "name": name,
+                "labels": {**labels(self.service, "router"), REVISION_LABEL: wanted},
+            }
             self.api.objects[f"{PODS}/{name}"] = {"metadata": meta, "status": {}}
         new_ready = bool(self._ready_workers(wanted, "decode"))
         self.api.objects[f"{PODS}/{name}"]["status"]["ready"] = new_ready

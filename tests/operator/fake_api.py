@@ -130,11 +130,24 @@ class FakeApi:
         items = [
             o
             for p, o in self.objects.items()
-            if p.rsplit("/", 1)[0] == path and _matches(o, selector)
+            if path in (_collection(p), _all_namespaces(p)) and _matches(o, selector)
         ]
         if items or path.endswith("s"):
             return 200, {"items": items}
         return 404, {}
+
+
+def _collection(path: str) -> str:
+    return path.rsplit("/", 1)[0]
+
+
+def _all_namespaces(path: str) -> str:
+    """An object's collection across namespaces (/apis/g/v/namespaces/ns/kind/x -> .../kind)."""
+    parts = _collection(path).split("/")
+    if "namespaces" in parts[:-1]:
+        at = parts.index("namespaces")
+        return "/".join(parts[:at] + parts[at + 2 :])
+    return ""
 
 
 def _strict(query: dict[str, list[str]]) -> bool:
