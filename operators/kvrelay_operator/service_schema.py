@@ -308,7 +308,7 @@ def _router_schema() -> Schema:
             "apiKeySecret": {
                 "type": "object",
                 "description": "Secret holding the API key clients send as a Bearer token; "
-                "without it the API is open.",
+                "without it the operator creates <name>-api-key with a random key.",
                 "required": ["name"],
                 "properties": {
                     "name": string("Secret name.", minLength=1),
