@@ -174,6 +174,24 @@ def test_a_changed_file_is_reloaded_and_a_broken_one_keeps_the_limits(tmp_path: 
     assert book.keys == {"sk-new": "a"}  # a key added without a restart
 
 
+def test_a_reload_that_drops_every_key_keeps_the_keys_in_force(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The keys may be all that guards /v1: an edit that lists none would open the API
+    without a restart, so it is refused with a warning; one key left is a normal reload."""
+    clock = Clock()
+    target = tmp_path / "t.json"
+    two_keys = {"tenants": [{"name": "a", "key": "sk-a"}, {"name": "b", "key": "sk-b"}]}
+    book = TenantBook(write(target, two_keys, mtime_ns=10**18), clock=clock)
+    write(target, {"default": {"requests_per_minute": 5}}, mtime_ns=2 * 10**18)
+    clock.now += RELOAD_POLL_S
+    assert book.keys == {"sk-a": "a", "sk-b": "b"}
+    assert "lists no API key any more" in caplog.text
+    write(target, {"tenants": [{"name": "b", "key": "sk-b"}]}, mtime_ns=3 * 10**18)
+    clock.now += RELOAD_POLL_S
+    assert book.keys == {"sk-b": "b"}
+
+
 def test_metrics_carry_the_configured_name_never_the_key(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     clock = Clock()

@@ -282,7 +282,10 @@ class TenantBook:
 
     def _poll(self) -> None:
         """Re-read the file when its mtime or size changed (at most every RELOAD_POLL_S); a
-        file that no longer parses leaves the table in force, with a warning."""
+        file that no longer parses leaves the table in force, with a warning, and so does one
+        that lists no key where the table in force does: the keys may be all that guards
+        `/v1` (the server counted them as its authentication when it started), so an edit
+        never opens the API; a restart can."""
         now = self._clock()
         if self.path is None or now - self._polled < RELOAD_POLL_S:
             return
@@ -293,10 +296,19 @@ class TenantBook:
             return
         self._stamp = stamp
         try:
-            self.table = load_table(self.path)
+            table = load_table(self.path)
         except ValueError as exc:
             logger.warning("--tenant-limits not reloaded, the previous limits stay: %s", exc)
             return
+        if self.table.keys and not table.keys:
+            logger.warning(
+                "--tenant-limits not reloaded, the previous limits stay: %s lists no API key "
+                "any more, which would open /v1 to anyone; keep at least one key, or restart "
+                "the server to run without them",
+                self.path,
+            )
+            return
+        self.table = table
         logger.info("--tenant-limits reloaded: %d tenants", len(self.table.tenants))
 
     def _prune(self, now: float) -> None:
