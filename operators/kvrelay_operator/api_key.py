@@ -11,13 +11,11 @@ service, so deleting the service deletes it. Users read it with
 
 from __future__ import annotations
 
-import base64
 import logging
 import secrets
 
 from kvrelay_operator.errors import PermanentError
 from kvrelay_operator.kube import Kube
-from kvrelay_operator.names import labels
 from kvrelay_operator.podparts import Obj
 from kvrelay_operator.spec import ServiceSpec
 
@@ -46,20 +44,10 @@ def new_api_key() -> str:
 
 def desired_api_key_secret(spec: ServiceSpec, key: str) -> Obj:
     """The generated API key's Secret (owned by the service), created once."""
-    from kvrelay_operator.desired import owner_reference  # desired imports us (via the router)
+    from kvrelay_operator.desired import generated_secret  # desired imports us (via the router)
 
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": api_key_secret_name(spec.name),
-            "namespace": spec.namespace,
-            "labels": labels(spec.name, "router"),
-            "ownerReferences": [owner_reference(spec)],
-        },
-        "type": "Opaque",
-        "data": {API_KEY_SECRET_KEY: base64.b64encode(key.encode()).decode()},
-    }
+    name = api_key_secret_name(spec.name)
+    return generated_secret(spec, name, "router", API_KEY_SECRET_KEY, key.encode())
 
 
 def ensure_api_key_secret(kube: Kube, spec: ServiceSpec) -> None:

@@ -97,21 +97,27 @@ def desired_pdbs(spec: ServiceSpec) -> list[Obj]:
     return [_pdb(spec, c, selector_labels(spec.name, c)) for c in ("router", *POOLS)]
 
 
-def desired_kv_secret(spec: ServiceSpec, key: bytes) -> Obj:
-    """The KV transfer Secret the operator creates once (never applied again: the key must
-    not change under running workers) when the service names none of its own."""
+def generated_secret(spec: ServiceSpec, name: str, component: str, key: str, value: bytes) -> Obj:
+    """A Secret the operator generates once for the service (owned by it, so deleted with
+    it): one data `key` holding `value`."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {
-            "name": kv_secret_name(spec.name),
+            "name": name,
             "namespace": spec.namespace,
-            "labels": labels(spec.name, "kv"),
+            "labels": labels(spec.name, component),
             "ownerReferences": [owner_reference(spec)],
         },
         "type": "Opaque",
-        "data": {KV_SECRET_KEY: base64.b64encode(key).decode()},
+        "data": {key: base64.b64encode(value).decode()},
     }
+
+
+def desired_kv_secret(spec: ServiceSpec, key: bytes) -> Obj:
+    """The KV transfer Secret the operator creates once (never applied again: the key must
+    not change under running workers) when the service names none of its own."""
+    return generated_secret(spec, kv_secret_name(spec.name), "kv", KV_SECRET_KEY, key)
 
 
 def desired_service_monitor(spec: ServiceSpec) -> Obj:

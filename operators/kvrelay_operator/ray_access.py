@@ -75,20 +75,10 @@ def require_token_auth(ray_version: str) -> None:
 
 def desired_ray_auth_secret(spec: ServiceSpec, token: str) -> Obj:
     """The Ray token Secret the operator creates once per service (owned by it)."""
-    from kvrelay_operator.desired import owner_reference  # desired imports this module
+    from kvrelay_operator.desired import generated_secret  # desired imports this module
 
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": ray_auth_secret_name(spec.name),
-            "namespace": spec.namespace,
-            "labels": labels(spec.name, "ray"),
-            "ownerReferences": [owner_reference(spec)],
-        },
-        "type": "Opaque",
-        "stringData": {RAY_AUTH_SECRET_KEY: token},
-    }
+    name = ray_auth_secret_name(spec.name)
+    return generated_secret(spec, name, "ray", RAY_AUTH_SECRET_KEY, token.encode())
 
 
 def ensure_ray_auth_secret(kube: Kube, spec: ServiceSpec) -> None:

@@ -5,6 +5,7 @@ port; a Ray without token authentication is refused; the chart lets the operator
 
 from __future__ import annotations
 
+import base64
 import logging
 import re
 from collections.abc import Iterator, Mapping
@@ -143,11 +144,11 @@ def test_the_token_secret_is_made_once_and_owned(api: tuple[FakeApi, Kube]) -> N
     fake.put(SVC, service_body({}))
     _reconcile(fake, kube)
     secret = fake.objects[TOKEN_SECRET]
-    token = secret["stringData"]["auth_token"]
+    token = base64.b64decode(secret["data"]["auth_token"]).decode()
     assert re.fullmatch(r"[0-9a-f]{64}", token)  # 256 bits, as Ray generates its own
     assert secret["metadata"]["ownerReferences"][0]["kind"] == "KVRelayService"
     _reconcile(fake, kube, NOW + 10)
-    assert fake.objects[TOKEN_SECRET]["stringData"]["auth_token"] == token
+    assert base64.b64decode(fake.objects[TOKEN_SECRET]["data"]["auth_token"]).decode() == token
     made = [r for r in fake.requests if r.method == "POST" and r.path.endswith("/secrets")]
     assert [r.body["metadata"]["name"] for r in made].count("demo-ray-auth") == 1
     assert any("networkpolicies/demo-ray" in r.path for r in fake.applied())
