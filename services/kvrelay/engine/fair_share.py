@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from kvrelay.engine.request import Request
 
-_SERVICE_ORDER = operator.attrgetter("scheduling_key")
+# Order of service (Request.scheduling_key: priority, then arrival), read in C by `sorted`.
+SERVICE_ORDER = operator.attrgetter("scheduling_key")
 # Read in C by map(): the scheduler asks with up to max_num_seqs running requests every step
 # that something waits at a full batch, so these passes stay out of Python bytecode.
 _TENANT = operator.attrgetter("tenant")
@@ -40,7 +41,7 @@ def one_tenant(requests: Iterable[Request]) -> bool:
 
 def worst_of(running: Iterable[Request], tenant: str) -> Request | None:
     """`tenant`'s lowest-priority, newest running request (None: it runs none)."""
-    return max((r for r in running if r.tenant == tenant), key=_SERVICE_ORDER, default=None)
+    return max((r for r in running if r.tenant == tenant), key=SERVICE_ORDER, default=None)
 
 
 class Shares:
@@ -93,7 +94,7 @@ def preemption_victim(running: Sequence[Request], forks: Forks) -> Request:
     (highest `scheduling_key`) of the tenant most over its weighted share. With one tenant
     running, exactly the lowest-priority newest request, as before tenants."""
     if one_tenant(running):
-        return max(running, key=_SERVICE_ORDER)
+        return max(running, key=SERVICE_ORDER)
     victim = worst_of(running, Shares(running, forks).most_loaded(running) or "")
     assert victim is not None, "a tenant with sequences runs a request"
     return victim
@@ -108,7 +109,7 @@ def admission_order(waiting: Iterable[Request], shares: Shares) -> Iterator[Requ
     for request in waiting:
         queues.setdefault(request.tenant, []).append(request)
     for queue in queues.values():
-        queue.sort(key=_SERVICE_ORDER, reverse=True)  # the head last: pop() takes it
+        queue.sort(key=SERVICE_ORDER, reverse=True)  # the head last: pop() takes it
     while queues:
         tenant = min(queues, key=lambda t: (shares.load(t), queues[t][-1].scheduling_key))
         queue = queues[tenant]

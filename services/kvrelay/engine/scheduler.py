@@ -18,20 +18,18 @@ apart (`add_waiting_for_remote_kv`) until `finish_remote_kv` lets it run or reco
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine import fair_share
+from kvrelay.engine.fair_share import SERVICE_ORDER as _SERVICE_ORDER
 from kvrelay.engine.fair_share import Shares
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.prompt_logprobs import cacheable_blocks
 from kvrelay.engine.request import Request, RequestStatus
 
-# Order of service (Request.scheduling_key), read in C by `sorted`.
-_SERVICE_ORDER = operator.attrgetter("scheduling_key")
 # A decode chunk's (num_tokens, samples, forks): one token that samples, joined by no fork.
 _DECODE = (1, True, ())
 
