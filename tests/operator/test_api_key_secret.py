@@ -21,8 +21,8 @@ from kvrelay_operator.reconcile import reconcile
 from kvrelay_operator.router_deployment import router_command
 from tests.deploy.schemas import CHART
 from tests.deploy.test_chart import _granted, _rules, render
-from tests.operator.fake_api import FakeApi, fake_api
-from tests.operator.router_stub import RouterStub, router_stub
+from tests.operator.fake_api import FakeApi
+from tests.operator.router_stub import RouterStub
 from tests.operator.services import IMAGE, service, service_body
 from tests.operator.test_lifecycle import _start
 
@@ -31,18 +31,6 @@ SVC = "/apis/kvrelay.io/v1alpha1/namespaces/llm/kvrelayservices/demo"
 DEPLOYMENT = "/apis/apps/v1/namespaces/llm/deployments/demo-router"
 GENERATED = f"{SECRETS}/demo-api-key"
 T0 = 1_800_000_000.0
-
-
-@pytest.fixture
-def api() -> Iterator[tuple[FakeApi, Kube]]:
-    with fake_api() as pair:
-        yield pair
-
-
-@pytest.fixture
-def router() -> Iterator[RouterStub]:
-    with router_stub() as stub:
-        yield stub
 
 
 def _reconcile(fake: FakeApi, kube: Kube, now: float = T0, url: str = "http://127.0.0.1:9") -> None:

@@ -7,7 +7,6 @@ wedge the reconcile (defect 5)."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,8 +17,8 @@ from kvrelay_operator.names import REVISION_LABEL, labels
 from kvrelay_operator.reconcile import reconcile
 from kvrelay_operator.revision import revision_hash
 from tests.deploy.schemas import validate_everywhere
-from tests.operator.fake_api import FakeApi, fake_api
-from tests.operator.router_stub import RouterStub, router_stub
+from tests.operator.fake_api import FakeApi
+from tests.operator.router_stub import RouterStub
 from tests.operator.services import IMAGE, cluster_of, service, service_body, worker_pod
 
 NS = "/apis/kvrelay.io/v1alpha1/namespaces/llm"
@@ -27,18 +26,6 @@ SVC = f"{NS}/kvrelayservices/demo"
 PODS = "/api/v1/namespaces/llm/pods"
 RAYS = "/apis/ray.io/v1/namespaces/llm/rayclusters"
 T0 = 1_800_000_000.0
-
-
-@pytest.fixture
-def api() -> Iterator[tuple[FakeApi, Kube]]:
-    with fake_api() as pair:
-        yield pair
-
-
-@pytest.fixture
-def router() -> Iterator[RouterStub]:
-    with router_stub() as stub:
-        yield stub
 
 
 def _run(fake: FakeApi, kube: Kube, now: float, router: RouterStub | None = None) -> None:

@@ -27,7 +27,7 @@ from kvrelay_operator.ray_access import (
 from kvrelay_operator.reconcile import reconcile
 from tests.deploy.schemas import CHART
 from tests.deploy.test_chart import _granted, _rules, render
-from tests.operator.fake_api import FakeApi, fake_api
+from tests.operator.fake_api import FakeApi
 from tests.operator.services import IMAGE, service, service_body
 from tests.operator.test_desired import NO_POOLS, SPECS
 
@@ -127,12 +127,6 @@ def test_ray_with_token_auth_is_accepted(version: str) -> None:
 def test_ray_without_token_auth_is_refused(version: str) -> None:
     with pytest.raises(PermanentError, match=r"spec\.ray\.rayVersion .*2\.52"):
         require_token_auth(version)
-
-
-@pytest.fixture
-def api() -> Iterator[tuple[FakeApi, Kube]]:
-    with fake_api() as pair:
-        yield pair
 
 
 def _reconcile(fake: FakeApi, kube: Kube, now: float = NOW) -> None:

@@ -3,7 +3,6 @@ send, and how failures are reported."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ from kvrelay_operator.kube import Kube
 from kvrelay_operator.metrics import OperatorMetrics
 from kvrelay_operator.reconcile import reconcile
 from kvrelay_operator.revision import revision_hash
-from tests.operator.fake_api import FakeApi, fake_api
+from tests.operator.fake_api import FakeApi
 from tests.operator.services import IMAGE, cluster_of, service, service_body, worker_pod
 
 NS = "/apis/kvrelay.io/v1alpha1/namespaces/llm"
@@ -29,12 +28,6 @@ def ray_path(spec: dict[str, Any] | None = None) -> str:
 
 
 RAY = ray_path()
-
-
-@pytest.fixture
-def api() -> Iterator[tuple[FakeApi, Kube]]:
-    with fake_api() as pair:
-        yield pair
 
 
 def _store_service(api: FakeApi, spec: dict[str, Any]) -> dict[str, Any]:
