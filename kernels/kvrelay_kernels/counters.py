@@ -17,6 +17,9 @@ class KernelCounters:
 
     cuda_decode_calls: int = 0  # CUDA decode-attention launches (one per layer per step)
     triton_prefill_calls: int = 0  # Triton varlen launches for prefill rows (idem)
+    # Triton launches for decode rows, where the decode dispatch chose it (decode_dispatch.py;
+    # a graph's count at its capture, not at its replays)
+    triton_decode_calls: int = 0
     graph_replays: int = 0  # engine steps run by replaying a captured CUDA graph
     graph_captures: int = 0  # CUDA graphs captured (one per padded batch size)
     eager_steps: int = 0  # engine forward passes run eagerly (prefill, mixed, no graph)

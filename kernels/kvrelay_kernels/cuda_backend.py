@@ -1,6 +1,8 @@
 """The `cuda` backend: kvrelay's CUDA C++ kernels (kernels/csrc) for decode attention,
 `write_kv` and `copy_blocks`; prefill chunks go to the Triton kernel when triton is present,
-else to the torch reference. A mixed step runs both kernels, each on its own rows.
+else to the torch reference. A mixed step runs both kernels, each on its own rows. Decode rows
+go to the Triton decode kernel instead where the decode dispatch's table, timed at load, says
+it is faster (decode_dispatch.py).
 
 The torch binding is the one built ahead of time when installed (the image's CUDA stage), else
 JIT-built (torch.utils.cpp_extension, cached by torch) on the first use on a machine with
@@ -20,11 +22,11 @@ from typing import Any
 
 import torch
 
-from kvrelay_kernels import reference, triton_backend
+from kvrelay_kernels import decode_dispatch, reference, triton_backend
 from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.counters import COUNTERS
 from kvrelay_kernels.plan import AttentionPlan, plan_on_device
-from kvrelay_kernels.split import VarlenKernel, split_attention
+from kvrelay_kernels.split import DecodeKernel, VarlenKernel, split_attention
 
 logger = logging.getLogger(__name__)
 
@@ -226,15 +228,7 @@ def paged_attention(
     args = (query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale)
     if not (plan.has_decodes and _decode_supported(query, kv_cache) and load_extension()):
         return _without_decode_kernel(args, plan, out, variant)
-
-    def decode(
-        q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, into: torch.Tensor | None
-    ) -> torch.Tensor:
-        return decode_attention(
-            q, kv_cache, layer, tables, lens, plan.decode_context, scale, out=into,
-            num_partitions=plan.decode_partitions, workspace=plan.decode_workspace, **variant,
-        )  # fmt: skip
-
+    decode = _decode_kernel(query.shape[1], kv_cache, layer, plan, scale, variant)
     if out is not None and not out.is_contiguous():
         # The decode kernel writes contiguous rows; a strided `out` gets the result copied.
         return out.copy_(paged_attention(*args, plan=plan, **variant))
@@ -253,6 +247,45 @@ def paged_attention(
     return split_attention(
         query, block_tables, seq_lens, query_start_loc, plan, out, decode, prefill
     )
+
+
+def _decode_kernel(
+    num_heads: int,
+    kv_cache: torch.Tensor,
+    layer: int,
+    plan: AttentionPlan,
+    scale: float,
+    variant: dict[str, Any],
+) -> DecodeKernel:
+    """The step's decode rows' kernel, as the decode dispatch's table says
+    (decode_dispatch.py): a plan with a fixed split-K count is a CUDA graph's."""
+    assert plan.decode_block_tables is not None
+    kernel = decode_dispatch.kernel_for_step(
+        num_heads, kv_cache, plan.decode_block_tables.shape[0], plan.decode_context,
+        plan.decode_partitions > 0, "sliding_window" in variant, "soft_cap" in variant,
+    )  # fmt: skip
+    if kernel == decode_dispatch.TRITON:
+        from kvrelay_kernels import triton_attention
+
+        def triton_decode(
+            q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, into: torch.Tensor | None
+        ) -> torch.Tensor:
+            COUNTERS.triton_decode_calls += 1
+            return triton_attention.decode_attention(
+                q, kv_cache, layer, tables, lens, scale, into, **variant
+            )
+
+        return triton_decode
+
+    def decode(
+        q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, into: torch.Tensor | None
+    ) -> torch.Tensor:
+        return decode_attention(
+            q, kv_cache, layer, tables, lens, plan.decode_context, scale, out=into,
+            num_partitions=plan.decode_partitions, workspace=plan.decode_workspace, **variant,
+        )  # fmt: skip
+
+    return decode
 
 
 def _variant_kwargs(sliding_window: int | None, soft_cap: float | None) -> dict[str, Any]:

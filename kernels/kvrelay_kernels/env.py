@@ -1,5 +1,5 @@
-"""The `KVRELAY_*` environment variable the kernels read, declared once: its name, type, default
-and what it does (docs/operations.md lists it; tests/test_env_registry.py checks).
+"""The `KVRELAY_*` environment variables the kernels read, declared once: name, type, default
+and what each does (docs/operations.md lists it; tests/test_env_registry.py checks).
 
 The kernels are beneath kvrelay and cannot import it, so they keep this small registry of
 their own; `kvrelay.common.env` holds kvrelay's. Read at call time, never at import.
@@ -26,6 +26,17 @@ class EnvVar:
         """The value in `environ` (None: `os.environ`, read now), else `default`."""
         return (os.environ if environ is None else environ).get(self.name, self.default)
 
+    def choice(self, choices: tuple[str, ...], environ: Mapping[str, str] | None = None) -> str:
+        """The value (empty: `default`), one of `choices`.
+
+        Raises:
+            ValueError: another value, naming the variable and the choices.
+        """
+        value = self.get(environ) or self.default
+        if value not in choices:
+            raise ValueError(f"{self.name}={value!r}: use one of {', '.join(choices)}")
+        return value
+
     def shown_default(self) -> str:
         """The default as docs/operations.md states it."""
         return self.unset or (f"`{self.default}`" if self.default else "unset")
@@ -40,4 +51,14 @@ HUGE_PAGES = EnvVar(
     unset="on (Linux)",
 )
 
-REGISTRY: tuple[EnvVar, ...] = (HUGE_PAGES,)
+DECODE_ATTENTION = EnvVar(
+    "KVRELAY_DECODE_ATTENTION",
+    "`auto` \\| `cuda` \\| `triton`",
+    "auto",
+    "kernel of decode attention under the `cuda` backend: `auto` times kvrelay's CUDA kernel "
+    "and the Triton one per batch x context bucket on the GPU at load (before CUDA graphs are "
+    "captured; one log line shows the table) and takes the faster; `cuda` / `triton` pin one, "
+    "refused at load where it cannot run the model (`kvrelay_kernels/decode_dispatch.py`)",
+)
+
+REGISTRY: tuple[EnvVar, ...] = (HUGE_PAGES, DECODE_ATTENTION)

@@ -252,18 +252,96 @@ def paged_attention(
         sliding_window=sliding_window is not None, soft_cap=soft_cap is not None,
     )  # fmt: skip
     block_q, num_seqs = int(constants["BLOCK_Q"]), seq_lens.shape[0]
+    cu_tiles = _cumulative_tiles(query_start_loc, block_q)
     # sum(ceil(q_len / block_q)) <= num_tokens // block_q + num_seqs: a host-side bound, so
     # the launch needs no device -> host copy.
-    grid = (query.shape[0] // block_q + num_seqs, kv_cache.shape[4])
-    _paged_attention_kernel[grid](
+    tiles = query.shape[0] // block_q + num_seqs
+    variant = (sliding_window or 0, soft_cap or 0.0)  # window, cap (0: unused)
+    _launch(query, kv_cache, layer, block_tables, seq_lens, query_start_loc, cu_tiles, tiles,
+            scale, out, constants, *variant)  # fmt: skip
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Decode attention by the same kernel, tiled for decodes: `query` `[num_seqs, heads,
+    head_dim]`, one token per sequence (the CUDA decode kernel's arguments, so a step's decode
+    rows go to either; decode_dispatch.py chooses). One query tile per sequence, so the query
+    offsets and the tiles are both 0, 1, 2, ...: a cached device range (no launch to build
+    them, nothing read on the host)."""
+    check_variants(sliding_window, soft_cap)
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty(query.shape, dtype=kv_cache.dtype, device=query.device)
+    num_seqs = query.shape[0]
+    if num_seqs == 0:
+        return out
+    if kv_cache.stride(5) != 1:
+        raise ValueError("kv_cache's head_dim must be contiguous")
+    constants = kernel_constants(
+        query.shape[1], kv_cache.shape[4], query.shape[2], kv_cache.shape[3],
+        kv_cache.dtype, True, compiled=query.is_cuda,
+        sliding_window=sliding_window is not None, soft_cap=soft_cap is not None,
+    )  # fmt: skip
+    offsets = decode_offsets(num_seqs, query.device)
+    variant = (sliding_window or 0, soft_cap or 0.0)
+    _launch(query, kv_cache, layer, block_tables, seq_lens, offsets, offsets, num_seqs, scale,
+            out, constants, *variant)  # fmt: skip
+    return out
+
+
+# Per device, every range made so far: a captured CUDA graph keeps reading the one it was
+# captured with, so none is ever freed (a few KiB at most).
+_OFFSETS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def decode_offsets(num_seqs: int, device: torch.device) -> torch.Tensor:
+    """`[num_seqs + 1]` int32 0, 1, 2, ... on `device`: a view of a cached range, grown by
+    powers of two (made once per size, before graphs are captured: warm-up runs first)."""
+    ranges = _OFFSETS.setdefault(device, [])
+    if not ranges or ranges[-1].shape[0] < num_seqs + 1:
+        size = _pow2_at_least(num_seqs + 1, 64)
+        ranges.append(torch.arange(size, dtype=torch.int32, device=device))
+    return ranges[-1][: num_seqs + 1]
+
+
+def _launch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cu_tiles: torch.Tensor,
+    num_tiles: int,
+    scale: float,
+    out: torch.Tensor,
+    constants: dict[str, int | bool],
+    window: int,
+    cap: float,
+) -> None:
+    """One launch of the kernel: `num_tiles` query tiles (at least the sequences' own: tiles
+    past them do nothing) x the KV heads; `window` and `cap` 0 where unused."""
+    _paged_attention_kernel[(num_tiles, kv_cache.shape[4])](
         out,
         query,
         kv_cache,
         block_tables,
         seq_lens,
         query_start_loc,
-        _cumulative_tiles(query_start_loc, block_q),
-        num_seqs,
+        cu_tiles,
+        seq_lens.shape[0],
         layer * kv_cache.stride(1),
         query.stride(0),
         query.stride(1),
@@ -275,11 +353,11 @@ def paged_attention(
         kv_cache.stride(4),
         block_tables.stride(0),
         scale * _LOG2E,
-        *(sliding_window or 0, (soft_cap or 0.0) * _LOG2E),  # window, cap (0: unused)
+        window,
+        cap * _LOG2E,
         **constants,
         num_warps=NUM_WARPS,
     )
-    return out
 
 
 NUM_WARPS = 4

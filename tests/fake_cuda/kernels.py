@@ -171,6 +171,32 @@ def fake_triton_attention(
     return out if out is not None else torch.empty_like(query)
 
 
+def fake_triton_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """`triton_attention.decode_attention`: the Triton kernel over decode rows only (where the
+    decode dispatch chose it over the CUDA kernel)."""
+    _on_device(query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
+               out=out)  # fmt: skip
+    _check_cache(kv_cache, layer)
+    seqs = query.shape[0]
+    if query.dim() != 3 or seq_lens.shape != (seqs,) or block_tables.shape[0] < seqs:
+        raise RuntimeError("query [seqs, heads, dim], one length and one table row per sequence")
+    if out is not None and out.shape != query.shape:
+        raise RuntimeError("out must match the query")
+    LOG.calls.append(("triton_decode", seqs))
+    return out if out is not None else torch.empty_like(query)
+
+
 class FakeGpuFusedOps:
     """`gpu_fused`'s Triton ops: checks of what their wrappers and kernels need, a log line
     each, and outputs of the right shape."""
@@ -261,6 +287,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cuda_backend._state, "module", FakeCudaKernels)
     monkeypatch.setitem(gpu_fused._state, "ops", FakeGpuFusedOps)
     monkeypatch.setattr(triton_attention, "paged_attention", fake_triton_attention)
+    monkeypatch.setattr(triton_attention, "decode_attention", fake_triton_decode)
     from kvrelay.engine import sampler
 
     monkeypatch.setitem(sampler._device_state, "sample_rows", fake_sample_rows)
