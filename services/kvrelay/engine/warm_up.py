@@ -89,6 +89,10 @@ def warm_up(model: CausalLMModel, kv_cache: torch.Tensor, sampler: Sampler | Non
     block_size, num_blocks = int(kv_cache.shape[3]), int(kv_cache.shape[0])
     if num_blocks < blocks_needed(block_size):
         return 0
+    if getattr(model.backend, "name", None) == "cuda":  # before graphs capture the choice
+        from kvrelay_kernels.decode_timing import prepare_for_model
+
+        prepare_for_model(model, kv_cache)  # which decode kernel per batch x context, timed
     for sequences in WARM_UP_STEPS:
         ids, positions, attn = step_inputs(sequences, block_size, num_blocks)
         hidden = model(
