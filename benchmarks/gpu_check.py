@@ -117,6 +117,17 @@ def environment() -> list[str]:
     return lines
 
 
+def dispatch_lines() -> list[str]:
+    """The decode dispatch's tables the engines made at load (part 3's: one per model shape
+    and dtype on the `cuda` backend), one line each, for the report's head."""
+    from kvrelay_kernels import decode_dispatch
+
+    tables = decode_dispatch.installed()
+    if not tables:
+        return ["decode dispatch at load: no table (no engine on the cuda backend ran)"]
+    return [f"at load, {table.describe()}" for table in tables]
+
+
 def report(rows: list[Row], head: list[str], out_dir: Path | None) -> None:
     print("\n" + "\n".join(head))
     print(format_table(rows))
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         run_all(selected, ctx, args.budget_s, rows)
         timer.cancel()
-    report(rows, head, args.out)
+    report(rows, head + dispatch_lines(), args.out)
     return exit_code(rows, skips_allowed=device == "cpu")
 
 

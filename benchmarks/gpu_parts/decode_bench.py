@@ -1,6 +1,9 @@
 """Part 2: decode attention as a share of the device's measured copy bandwidth (bytes of K and
-V read / time, over copy bandwidth): kvrelay's CUDA kernel, its Triton kernel, gather + SDPA
-(the torch reference) and PyTorch FlexAttention with a paged block mask.
+V read / time, over copy bandwidth): kvrelay's CUDA kernel, its Triton kernel (the decode entry
+the engine's dispatch calls), gather + SDPA (the torch reference) and PyTorch FlexAttention
+with a paged block mask. Beside the times, per model, the table the decode dispatch
+(kvrelay_kernels/decode_dispatch.py) makes of the CUDA and Triton times, and the row for what
+it serves: the faster of the two at each shape.
 
 Shapes: batch 1/16/64/256 x context 512/2048/8192, SmolLM2-shaped (9 query / 3 KV heads x 64)
 and Llama-8B-shaped (32 / 8 x 128), bf16, block size 16, shuffled block tables, a middle layer
@@ -26,6 +29,7 @@ METHODS = ("cuda", "triton", "sdpa", "flex")
 MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 NUM_LAYERS, LAYER = 2, 1
 TARGET_PCT = 70.0  # of copy bandwidth, at batch >= 64 and context >= 2048
+DISPATCH_TARGET_PCT = 80.0  # idem, the faster kernel the dispatch serves there (issue 37)
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,9 @@ def bench_shape(s: Shape, dtype: torch.dtype, device: str, methods: list[str], f
     if "triton" in methods:
         from kvrelay_kernels import triton_attention
 
-        runs["triton"] = lambda: triton_attention.paged_attention(*args, plan=plan, out=out)
+        runs["triton"] = lambda: triton_attention.decode_attention(
+            x["query"], x["kv"], LAYER, x["tables"], x["lens"], x["scale"], out
+        )
     if "sdpa" in methods:
         runs["sdpa"] = lambda: reference.paged_attention(*args, plan=plan)
     if "flex" in methods and flex is not None:
@@ -332,6 +338,7 @@ def run(ctx: Context, deadline: Deadline) -> list[Row]:
     if ctx.out_dir is not None:
         (ctx.out_dir / "decode_bench.md").write_text(f"```\n{detail}\n```\n")
     partial = "" if len(results) == len(planned) else "time budget: smallest shapes left out"
+    rows += dispatch_rows(ctx, results, copy_gbps, elem, dtype)
     rows.append(
         Row(
             PART,
@@ -351,3 +358,59 @@ def run(ctx: Context, deadline: Deadline) -> list[Row]:
         status = PASS if ok == len(results) and results else FAIL
         rows.append(Row(PART, f"{m} runs", status, f"{ok}/{len(results)} shapes", note=first_error))
     return rows + _target_rows(results, copy_gbps, elem, ctx.cuda)
+
+
+def dispatch_tables(results: list[Result], dtype: torch.dtype) -> dict[str, Any]:
+    """Per model, the decode dispatch's table from these CUDA and Triton times (what an
+    engine of that shape would choose at load from the same timings)."""
+    from kvrelay_kernels.decode_dispatch import DecodeShape, choose_table
+
+    tables = {}
+    for name, (heads, kv_heads, dim) in MODELS.items():
+        timings: dict[tuple[str, int, int], float] = {
+            (kernel, r.shape.batch, r.shape.context): r.us[kernel] * 1e-6
+            for r in results
+            if r.shape.model == name
+            for kernel in ("cuda", "triton")
+            if kernel in r.us
+        }
+        if timings:
+            shape = DecodeShape(heads, kv_heads, dim, dtype, 16, False, False)
+            tables[name] = choose_table(shape, timings, {"cuda": True, "triton": True})
+    return tables
+
+
+def served_percent(r: Result, table: Any, copy_gbps: float, elem: int) -> float | None:
+    """% of copy bandwidth of the kernel the dispatch serves shape `r` with (eager)."""
+    return r.percent(table.kernel_for(r.shape.batch, r.shape.context), copy_gbps, elem)
+
+
+def dispatch_rows(
+    ctx: Context, results: list[Result], copy_gbps: float, elem: int, dtype: torch.dtype
+) -> list[Row]:
+    """The dispatch's tables (logged and written to $OUT/decode_dispatch.md) and a row: the
+    kernel it serves at batch >= 64 and context >= 2048 reaches DISPATCH_TARGET_PCT there."""
+    check = f"dispatched decode >= {DISPATCH_TARGET_PCT:.0f}% of copy bw, batch >= 64, ctx >= 2048"
+    tables = dispatch_tables(results, dtype)
+    if not tables:
+        why = "no CUDA device" if not ctx.cuda else "no CUDA or Triton time"
+        return [Row(PART, check, SKIP, note=why)]
+    text = []
+    for name, table in tables.items():
+        text += [f"{name}: {table.describe()}", "(kernel, then CUDA/Triton us)", *table.grid()]
+    ctx.log("\ndecode dispatch from these times\n" + "\n".join(text))
+    if ctx.out_dir is not None:
+        (ctx.out_dir / "decode_dispatch.md").write_text("```\n" + "\n".join(text) + "\n```\n")
+    big = [
+        (pct, r.shape.tag)
+        for r in results
+        if r.shape.batch >= 64 and r.shape.context >= 2048 and r.shape.model in tables
+        for pct in [served_percent(r, tables[r.shape.model], copy_gbps, elem)]
+        if pct is not None
+    ]
+    if not big:
+        return [Row(PART, check, SKIP, note="no such shape timed for both kernels")]
+    pct, tag = min(big)
+    status = PASS if pct >= DISPATCH_TARGET_PCT else MISS
+    target = f">= {DISPATCH_TARGET_PCT:.0f}%"
+    return [Row(PART, check, status, f"min {pct:.0f}% ({tag})", target)]
