@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.servers import ServerProcess, start_server
 
@@ -22,6 +23,11 @@ os.environ.setdefault("KVRELAY_CPU_SINGLE_ROW", "dense")
 # And a many-row bf16 matmul's path (models/many_rows.py): pinned to kvrelay's blocked kernel;
 # tests/models/test_many_rows.py runs the bf16 checks on each path by name.
 os.environ.setdefault("KVRELAY_CPU_MANY_ROWS", "blocked")
+# And on a GPU, a decode step's attention kernel (kvrelay_kernels/decode_dispatch.py): timed at
+# load, so pinned to the CUDA kernel; the dispatch's tests ask for `auto` or Triton by name.
+# (Not on the fake-CUDA rig: nothing is timed there, and a pin would refuse its head_dim 32.)
+if torch.cuda.is_available():
+    os.environ.setdefault("KVRELAY_DECODE_ATTENTION", "cuda")
 
 
 @pytest.fixture(scope="session")
