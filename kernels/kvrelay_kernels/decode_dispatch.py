@@ -25,6 +25,7 @@ caller, a test) every step takes the CUDA kernel, as before this module.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -102,7 +103,12 @@ class DecodeTable:
         """The kernel of an eager step of `batch` decodes whose longest context is `context`."""
         if not self.cells:
             return self.default
-        return self.cells[_nearest_cell(self.cells, batch, context)]
+        return self.cells[_nearest_cell(self._cell_logs, batch, context)]
+
+    @functools.cached_property
+    def _cell_logs(self) -> list[tuple[float, float, Cell]]:
+        """Each cell with its log2 batch and context, worked out once per table."""
+        return [(_log2(b), _log2(c), (b, c)) for b, c in self.cells]
 
     def graph_kernel_for(self, batch: int) -> str:
         """The kernel a graph of `batch` decodes (padded size) captures."""
@@ -135,26 +141,22 @@ class DecodeTable:
         return lines
 
 
-def _log2_distance(a: int, b: int) -> float:
-    return abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))
+def _log2(value: int) -> float:
+    return math.log2(max(value, 1))
 
 
 def _nearest(keys: Iterable[int], value: int) -> int:
     """The key nearest `value` in log2 distance; a tie goes to the larger key."""
-    return min(keys, key=lambda k: (_log2_distance(k, value), -k))
+    target = _log2(value)
+    return min(keys, key=lambda k: (abs(_log2(k) - target), -k))
 
 
-def _nearest_cell(cells: Iterable[Cell], batch: int, context: int) -> Cell:
-    """The cell nearest (batch, context), log2 distances added; ties to the larger context,
-    then the larger batch."""
-    return min(
-        cells,
-        key=lambda cell: (
-            _log2_distance(cell[0], batch) + _log2_distance(cell[1], context),
-            -cell[1],
-            -cell[0],
-        ),
-    )
+def _nearest_cell(cells: Iterable[tuple[float, float, Cell]], batch: int, context: int) -> Cell:
+    """The cell nearest (batch, context), log2 distances added (`cells` with their logs);
+    ties to the larger context, then the larger batch."""
+    lb, lc = _log2(batch), _log2(context)
+    best = min(cells, key=lambda e: (abs(e[0] - lb) + abs(e[1] - lc), -e[2][1], -e[2][0]))
+    return best[2]
 
 
 def supported_kernels(supported: Mapping[str, bool]) -> list[str]:
@@ -220,11 +222,16 @@ def pinned_table(shape: DecodeShape, kernel: str, supported: Mapping[str, bool])
 
 # The tables in force, per shape: set at load (decode_timing.prepare), read at every step.
 _TABLES: dict[DecodeShape, DecodeTable] = {}
+# Each layer of a step asks the same question: answered once per step (by what makes the
+# shape key, the step's decodes and context, and graphed or not).
+_ANSWERS: dict[tuple[object, ...], str] = {}
+_MAX_ANSWERS = 256  # then forgotten: contexts grow by one token a step
 
 
 def install(table: DecodeTable) -> None:
     """Make `table` decide the steps of its shape in this process (replacing an older one)."""
     _TABLES[table.shape] = table
+    _ANSWERS.clear()
 
 
 def installed() -> list[DecodeTable]:
@@ -235,6 +242,7 @@ def installed() -> list[DecodeTable]:
 def clear() -> None:
     """Forget every table (tests; every step then takes the CUDA kernel)."""
     _TABLES.clear()
+    _ANSWERS.clear()
 
 
 def kernel_for_step(
@@ -250,6 +258,27 @@ def kernel_for_step(
     the installed table's (`graph_kernel_for` when `graphed`), else CUDA."""
     if not _TABLES:  # the common case off a measured engine: no key built
         return CUDA
+    key = (kv_cache.shape, kv_cache.dtype, num_heads, batch, context, graphed, sliding_window,
+           soft_cap)  # fmt: skip
+    answer = _ANSWERS.get(key)
+    if answer is None:
+        if len(_ANSWERS) >= _MAX_ANSWERS:
+            _ANSWERS.clear()
+        answer = _ANSWERS[key] = _answer(
+            num_heads, kv_cache, batch, context, graphed, sliding_window, soft_cap
+        )
+    return answer
+
+
+def _answer(
+    num_heads: int,
+    kv_cache: torch.Tensor,
+    batch: int,
+    context: int,
+    graphed: bool,
+    sliding_window: bool,
+    soft_cap: bool,
+) -> str:
     table = _TABLES.get(shape_of(kv_cache, num_heads, sliding_window, soft_cap))
     if table is None:
         return CUDA

@@ -210,3 +210,20 @@ def test_installing_a_shape_again_replaces_its_table() -> None:
     decode_dispatch.install(pinned_table(SHAPE, TRITON, BOTH))
     decode_dispatch.install(DecodeTable(SHAPE, CUDA, "unmeasured"))
     assert [t.source for t in decode_dispatch.installed()] == ["unmeasured"]
+
+
+def test_a_step_s_answer_is_worked_out_once_and_forgotten_with_its_table() -> None:
+    cache = torch.empty(4, 2, 2, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+    decode_dispatch.install(pinned_table(SHAPE, TRITON, BOTH))
+    assert kernel_for_step(32, cache, 64, 2048, graphed=False) == TRITON
+    assert len(decode_dispatch._ANSWERS) == 1
+    assert kernel_for_step(32, cache, 64, 2048, graphed=False) == TRITON  # every layer after
+    assert len(decode_dispatch._ANSWERS) == 1
+    decode_dispatch.install(pinned_table(SHAPE, CUDA, BOTH))  # a new table: new answers
+    assert kernel_for_step(32, cache, 64, 2048, graphed=False) == CUDA
+    for context in range(decode_dispatch._MAX_ANSWERS + 10):  # a context per step
+        kernel_for_step(32, cache, 64, context, graphed=False)
+    assert len(decode_dispatch._ANSWERS) <= decode_dispatch._MAX_ANSWERS
+    decode_dispatch.clear()
+    assert decode_dispatch._ANSWERS == {}
+    assert kernel_for_step(32, cache, 64, 2048, graphed=False) == CUDA
