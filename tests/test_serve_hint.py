@@ -12,6 +12,7 @@ from kvrelay.serve_hint import (
     MEASURED,
     SMALL_MACHINE_CORES,
     ModeMeasurement,
+    sharing_line,
     small_machine_hint,
 )
 
@@ -99,3 +100,14 @@ def test_kvrelay_serve_prints_the_hint_at_start(tmp_path: Path) -> None:
         assert "kvrelay: hint:" not in log
     else:
         assert expected in log.splitlines()
+
+
+def test_shared_cores_add_a_line_saying_how_to_turn_them_off() -> None:
+    line = sharing_line(2, 1)
+    assert "all 2 cores" in line and "on its 1" in line and "KVRELAY_CORE_SHARE=off" in line
+    both = small_machine_hint(2, colocated=False, shared_threads=1, measured=PD_WINS)
+    pick = small_machine_hint(2, colocated=False, measured=PD_WINS)
+    assert both is not None and pick is not None and both == pick + "\n" + line
+    # KVRELAY_CORE_SHARE=on on a larger machine: no measured pick, the sharing still said.
+    assert small_machine_hint(8, colocated=False, shared_threads=4) == sharing_line(8, 4)
+    assert small_machine_hint(None, colocated=False, shared_threads=1) is None

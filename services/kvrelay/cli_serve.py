@@ -381,11 +381,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine_args = _engine_args(ns).with_resolved_model()
     from kvrelay.api.platform import ready_message, run_event_loop, run_router
     from kvrelay.router.workers import WorkerRegistry
+    from kvrelay.worker.core_share import ServeCores, serve_board
     from kvrelay.worker.pools import Pools
 
     num_prefill = 1 if ns.num_prefill is None else ns.num_prefill
     num_workers = ns.num_decode if ns.colocated else num_prefill + ns.num_decode
-    threads = ns.worker_threads or max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    cores = os.cpu_count() or 1
+    threads = ns.worker_threads or max(1, cores // max(1, num_workers))
     from kvrelay.transfer.factory import pick_backend
     from kvrelay.transfer.tls import KVTLS
 
@@ -399,34 +401,37 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     print(f"kvrelay: starting {pools_text} on Ray...", flush=True)
     from kvrelay.serve_hint import small_machine_hint
 
-    if hint := small_machine_hint(os.cpu_count(), ns.colocated):  # P/D or colocated, measured
-        print(hint, flush=True)
-    pools = Pools.start(
-        str(engine_args.resolve_model_path()),
-        num_prefill,
-        ns.num_decode,
-        ns.colocated,
-        ns.transfer_backend,
-        {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"},
-        address=ns.ray_address,
-        num_threads=threads,
-        kv_secret=_kv_secret(ns),
-    )
+    # Workers on a Ray cluster of their own (not --ray-address) may share the cores by step.
+    plan = ServeCores.decide(cores, num_workers, ns.colocated, ns.ray_address is not None)
+    if hint := small_machine_hint(os.cpu_count(), ns.colocated, threads if plan.board else None):
+        print(hint, flush=True)  # P/D or colocated, measured; how the cores are shared
+    with serve_board(plan):  # removed, its name and OpenMP wait unset, when serving ends
+        pools = Pools.start(
+            str(engine_args.resolve_model_path()),
+            num_prefill,
+            ns.num_decode,
+            ns.colocated,
+            ns.transfer_backend,
+            {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"},
+            address=ns.ray_address,
+            num_threads=threads,
+            kv_secret=_kv_secret(ns),
+        )
 
-    async def main() -> None:
-        registry = WorkerRegistry()
-        for actor in pools.workers:
-            await registry.add(actor)
+        async def main() -> None:
+            registry = WorkerRegistry()
+            for actor in pools.workers:
+                await registry.add(actor)
 
-        def ready(server: Any, router: Any) -> None:
-            print(ready_message(server, router, pools_text), flush=True)
+            def ready(server: Any, router: Any) -> None:
+                print(ready_message(server, router, pools_text), flush=True)
 
-        await run_router(registry, engine_args, _router_config(ns), server_config, ready)
+            await run_router(registry, engine_args, _router_config(ns), server_config, ready)
 
-    try:
-        run_event_loop(main())
-    finally:
-        pools.shutdown()
+        try:
+            run_event_loop(main())
+        finally:
+            pools.shutdown()
     print("kvrelay: stopped", flush=True)
     return 0
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrelay.common.env import CORE_SHARE
+
 # At or below this many cores P/D's workers split the cores between them (`kvrelay serve`
 # gives each worker cores // workers threads), so one request's prefill or decode runs on
 # half the machine while the other half waits: the case the measurement below is about.
@@ -50,13 +52,34 @@ def _ratios(tok_s: dict[int, float], whose: str) -> str:
 
 
 def small_machine_hint(
-    cores: int | None, colocated: bool, measured: ModeMeasurement = MEASURED
+    cores: int | None,
+    colocated: bool,
+    shared_threads: int | None = None,
+    measured: ModeMeasurement = MEASURED,
 ) -> str | None:
-    """The line `kvrelay serve` prints at start on a machine of `cores` cores in the chosen
-    mode, or None where it has nothing measured to say (more cores than SMALL_MACHINE_CORES,
-    or the core count unknown)."""
-    if cores is None or cores > SMALL_MACHINE_CORES:
-        return None
+    """What `kvrelay serve` prints at start on a machine of `cores` cores in the chosen mode:
+    the measured pick (on at most SMALL_MACHINE_CORES cores) and, where its workers share the
+    cores step by step (worker/core_share.py; `shared_threads`: each one's share), a line
+    saying so. None where it has neither to say (the core count unknown included)."""
+    lines = []
+    if cores is not None and cores <= SMALL_MACHINE_CORES:
+        lines.append(_pick_line(cores, colocated, measured))
+    if cores is not None and shared_threads is not None:
+        lines.append(sharing_line(cores, shared_threads))
+    return "\n".join(lines) or None
+
+
+def sharing_line(cores: int, share: int) -> str:
+    """The line for P/D workers that share their cores step by step."""
+    return (
+        f"kvrelay: cores shared step by step: the prefill worker runs a prompt on all {cores} "
+        f"cores while the decode worker has nothing running, on its {share} while it has "
+        f"({CORE_SHARE.name}=off: {share} each always)"
+    )
+
+
+def _pick_line(cores: int, colocated: bool, measured: ModeMeasurement) -> str:
+    """P/D or colocated, as `measured` says, for a machine of `cores` cores."""
     latency = (
         f"colocated's TTFT p50 at 1 stream was {measured.ttft_1:.2f}x P/D's, its ITL p99 "
         f"{measured.itl_p99_top:.1f}x P/D's"

@@ -222,6 +222,26 @@ TEST_KUBECONFIG = EnvVar(
     "applied, the operator as its ServiceAccount; see docs/deploy.md",
     unset="unset: the fake API server",
 )
+CORE_SHARE = EnvVar(
+    "KVRELAY_CORE_SHARE",
+    "`auto` \\| `on` \\| `off`",
+    "auto",
+    "how `kvrelay serve`'s workers use a small machine's cores: P/D workers share them step "
+    "by step (the prefill worker runs a step on its share plus the cores the other workers "
+    "leave idle: a lone prompt on all of them while the decode worker has nothing running; "
+    "decode workers keep their share), and the OpenMP team threads of every worker, P/D or "
+    "colocated, sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, unless the "
+    "environment sets an OpenMP wait). `auto`: on machines of at most 4 cores, when `serve` "
+    "starts its own Ray; `on`: on any; `off`: neither (`worker/core_share.py`)",
+)
+CORE_BOARD = EnvVar(
+    "KVRELAY_CORE_BOARD",
+    "path",
+    "",
+    "the shared file (in `/dev/shm`) on which workers publish the threads they run; `kvrelay "
+    "serve` sets it for its workers where `KVRELAY_CORE_SHARE` says so; not for people to set",
+    unset="unset: each worker keeps its share",
+)
 REGISTRY: tuple[EnvVar, ...] = (
     API_KEY,
     CACHE_DIR,
@@ -246,4 +266,6 @@ REGISTRY: tuple[EnvVar, ...] = (
     MEMORY_PROBE_S,
     MEMORY_PROBE_TRACEMALLOC,
     TEST_KUBECONFIG,
+    CORE_SHARE,
+    CORE_BOARD,
 )

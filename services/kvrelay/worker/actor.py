@@ -36,6 +36,7 @@ from kvrelay.transfer.base import KVConnector
 from kvrelay.transfer.factory import create_connector
 from kvrelay.transfer.kv_secret import KVSecret, resolve_kv_secret
 from kvrelay.transfer.network import KVNetwork
+from kvrelay.worker.core_share import step_threads_from_env
 from kvrelay.worker.deltas import DeltaTracker, request_deltas
 from kvrelay.worker.engine_builder import build_worker_engine, freeze_start_up_objects
 from kvrelay.worker.engine_loop import EngineLoop
@@ -101,7 +102,11 @@ class EngineWorker:
         # Only a worker alone in its process trims its heap: elsewhere (tests, a caller's
         # process) the heap is not the worker's to manage.
         trimmer = HeapTrimmer(interval_from_env()) if own_process else None
-        self.loop = EngineLoop(self.engine, self.connector, heap_trimmer=trimmer)
+        # On `kvrelay serve`'s core board (small machines): a prefill step may borrow idle cores.
+        threads = step_threads_from_env(self.role.value, num_threads)
+        self.loop = EngineLoop(
+            self.engine, self.connector, heap_trimmer=trimmer, step_threads=threads
+        )
         self.channels = OutputChannels(lambda request: request_deltas(self.loop, request))
         self.placement = Placement.from_env()
         # Set by a router's drain call; every router replica reads it when it polls status()

@@ -20,6 +20,7 @@ from kvrelay.common.messages import EngineRequest, KVHandle, PullPlan, RequestFa
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.transfer.base import KVConnector, TransferError
+from kvrelay.worker.core_share import StepThreads
 from kvrelay.worker.heap_trim import HeapTrimmer
 from kvrelay_kernels.cpu_threads import use_one_cpu_thread
 
@@ -69,11 +70,15 @@ class EngineLoop:
         idle_wait_s: float = 0.2,
         pull_threads: int = 2,
         heap_trimmer: HeapTrimmer | None = None,
+        step_threads: StepThreads | None = None,
     ) -> None:
         """`heap_trimmer`: gives freed heap memory back when the engine goes idle
-        (worker/heap_trim.py); a worker that owns its process passes one."""
+        (worker/heap_trim.py); a worker that owns its process passes one. `step_threads`:
+        sizes each step's OpenMP team to the cores the worker's partners leave idle
+        (worker/core_share.py); None: the engine's threads for every step."""
         self.engine = engine
         self.heap_trimmer = heap_trimmer
+        self.step_threads = step_threads
         self.connector = connector
         self.idle_wait_s = idle_wait_s
         self._commands: queue.Queue[Command | None] = queue.Queue()
@@ -194,7 +199,11 @@ class EngineLoop:
             if not self._drain(timeout):
                 break
             if self.engine.has_work():
+                if self.step_threads is not None:
+                    self.step_threads.before_step()
                 idle_steps = 0 if self._step() else idle_steps + 1
+                if self.step_threads is not None and not self.engine.has_work():
+                    self.step_threads.idle()  # now, not after the idle wait: a partner may borrow
                 if self.heap_trimmer is not None:
                     self.heap_trimmer.worked()  # trims only after a long busy stretch
             else:
@@ -205,6 +214,8 @@ class EngineLoop:
         for stream in self._streams.values():
             stream.put(RuntimeError("the engine loop is shut down"))
         self._streams.clear()
+        if self.step_threads is not None:
+            self.step_threads.close()
 
     def _drain(self, timeout: float | None) -> bool:
         """Run queued commands, first waiting up to `timeout` (None: not at all) for one.

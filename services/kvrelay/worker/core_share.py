@@ -1,0 +1,257 @@
+"""P/D workers sharing a few cores size each engine step's OpenMP team to the cores their
+partners leave idle: a prefill worker runs a lone prompt on all of them while the decode
+worker has nothing running, and on its own share while it has.
+
+`kvrelay serve` splits a small machine's cores between its workers (2 cores: 1 thread each),
+so a lone 128-token prefill ran on one core while the other sat idle: 162 ms offline against
+105 ms on both (2-core EPYC, bf16). The workers publish the threads they run on a board (a
+tiny shared file, one slot per worker, `/dev/shm`); before each step a prefill worker takes
+its share plus what the others leave free. Decode and colocated workers never borrow: a
+decode worker that woke to find the cores lent would stall a 2-thread team at every barrier
+(a descheduled team thread is the colocated collapse), so only the worker whose steps are
+long and rare borrows, and it gives the cores back at its next step.
+
+On such a machine every worker's team threads, P/D or colocated, also sleep at a barrier
+instead of spinning (WAIT_ENV): a spinning thread holds a core that the thread it waits for
+(descheduled by any other process) needs. $KVRELAY_CORE_SHARE turns both off.
+
+This module sizes teams and keeps the board; it does not start workers or read the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrelay.common.env import CORE_BOARD, CORE_SHARE
+
+logger = logging.getLogger(__name__)
+
+# At or below this many cores `auto` shares them (`kvrelay serve` splits them between its
+# workers, so a lone prefill runs on a fraction of a machine that is idle otherwise). Measured
+# on 2 cores only (benchmarks/results/2026-12-05_serve_compare_epyc_cores.md).
+SMALL_MACHINE_CORES = 4
+CHOICES = ("auto", "on", "off")
+SLOTS = 64  # workers on one board; a worker finding none free runs its share (and says so)
+# A slot: the worker's pid (0: free) and the threads it runs now (0: idle).
+_SLOT = struct.Struct("<iI")
+BOARD_BYTES = SLOTS * _SLOT.size
+BORROWER_ROLES = ("prefill",)
+# A team thread waiting at a barrier sleeps at once instead of spinning ~300,000 times: a
+# borrowed core may be taken back (the decode worker wakes, another process runs) in the
+# middle of a step, and a spinning thread then holds its core while the one it waits for
+# waits for a core. A 128-token bf16 prefill on 2 threads beside a busy process: 5,260 ms
+# spinning, 268 ms sleeping, 525 ms on 1 thread (load 7); the decode worker's 1-thread
+# steps have no barrier to wait at. libgomp reads it once, as it loads: set before Ray starts.
+WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_WAIT_NAMES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+Env = Mapping[str, str] | None
+
+
+def team_size(share: int, cores: int, others: int, *, borrows: bool) -> int:
+    """Threads for a worker's next step.
+
+    Args:
+        share: the threads the worker was given (`--worker-threads`, or cores // workers).
+        cores: the cores its workers share.
+        others: the threads the other workers on the board run now (idle ones publish 0).
+        borrows: whether this worker may take idle cores (prefill workers only).
+
+    A borrower gets its share plus whatever the others leave of `cores`, never less than its
+    share (the others are over theirs only for the step in which one of them wakes).
+    """
+    if share < 1 or cores < 1 or others < 0:
+        raise ValueError(f"team_size: share {share}, cores {cores}, others {others}")
+    if not borrows:
+        return share
+    return max(share, cores - others)
+
+
+def sharing_enabled(choice: str, cores: int, workers: int, colocated: bool) -> bool:
+    """Whether `kvrelay serve` gives its workers a board: `on`, or `auto` on a machine of at
+    most SMALL_MACHINE_CORES cores running P/D (colocated has no partner to lend it cores)."""
+    if choice == "off" or colocated or workers < 2:
+        return False
+    return passive_wait(choice, cores)
+
+
+def passive_wait(choice: str, cores: int) -> bool:
+    """Whether `kvrelay serve`'s workers, P/D or colocated, get WAIT_ENV: `on`, or `auto` on
+    a machine of at most SMALL_MACHINE_CORES cores, where any other process takes a core a
+    team thread needs (a colocated 2-thread team stalled at every barrier)."""
+    if choice not in CHOICES:
+        raise ValueError(f"{CORE_SHARE.name}={choice!r}: use one of {', '.join(CHOICES)}")
+    return choice == "on" or (choice == "auto" and cores <= SMALL_MACHINE_CORES)
+
+
+@dataclass(frozen=True)
+class ServeCores:
+    """How `kvrelay serve` has its workers use the cores."""
+
+    board: bool  # P/D workers size each step's team on a board they share
+    passive: bool  # OpenMP team threads sleep at a barrier at once (WAIT_ENV)
+
+    @classmethod
+    def decide(
+        cls, cores: int, workers: int, colocated: bool, joins_cluster: bool, environ: Env = None
+    ) -> ServeCores:
+        """From $KVRELAY_CORE_SHARE; nothing where serve joins a Ray cluster (its workers do
+        not inherit serve's environment there, nor need to share its machine)."""
+        choice = CORE_SHARE.get(environ) or CORE_SHARE.default
+        if joins_cluster:
+            passive_wait(choice, cores)  # a bad value is refused all the same
+            return cls(board=False, passive=False)
+        return cls(
+            board=sharing_enabled(choice, cores, workers, colocated),
+            passive=passive_wait(choice, cores),
+        )
+
+
+class CoreBoard:
+    """The shared file: one `_SLOT` per worker. A slot's two fields are each written with one
+    aligned 4-byte store, so a reader sees a slot's old value or its new one, never a mix."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != BOARD_BYTES:
+                raise ValueError(
+                    f"{path} is not a core board ({BOARD_BYTES} bytes): unset {CORE_BOARD.name}"
+                )
+            self._map = mmap.mmap(fd, BOARD_BYTES)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def create(directory: Path | None = None) -> Path:
+        """A new empty board file (the caller removes it when its workers are gone)."""
+        where = directory or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
+        fd, name = tempfile.mkstemp(prefix="kvrelay-cores-", dir=where)
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(BOARD_BYTES))
+        return Path(name)
+
+    def claim(self, pid: int) -> int | None:
+        """A free slot (or a dead process's) for `pid`, marked idle; None when all are taken."""
+        with open(self.path, "rb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # claims are rare; publishing takes no lock
+            for slot in range(SLOTS):
+                owner, _ = _SLOT.unpack_from(self._map, slot * _SLOT.size)
+                if owner in (0, pid) or not _alive(owner):
+                    _SLOT.pack_into(self._map, slot * _SLOT.size, pid, 0)
+                    return slot
+        return None
+
+    def release(self, slot: int) -> None:
+        _SLOT.pack_into(self._map, slot * _SLOT.size, 0, 0)
+
+    def publish(self, slot: int, threads: int) -> None:
+        struct.pack_into("<I", self._map, slot * _SLOT.size + 4, threads)
+
+    def others(self, slot: int) -> int:
+        """The threads every other claimed slot runs now."""
+        total = 0
+        for other, (owner, threads) in enumerate(_SLOT.iter_unpack(self._map)):
+            if other != slot and owner:
+                total += threads
+        return total
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, alive
+    return True
+
+
+class StepThreads:
+    """One worker's seat on a board: the engine loop calls `before_step` before each step
+    and `idle` when a step leaves nothing to run; both on the loop thread, whose OpenMP team
+    runs the steps (torch.set_num_threads sets the calling thread's team, ~10 us)."""
+
+    def __init__(self, board: CoreBoard, slot: int, share: int, cores: int, borrows: bool):
+        self.board, self.slot = board, slot
+        self.share, self.cores, self.borrows = share, cores, borrows
+        self.threads = share  # the team size set last (the engine was built with `share`)
+        self._published = 0
+
+    def before_step(self) -> int:
+        """Set this step's team size and publish it; returns it."""
+        threads = team_size(
+            self.share, self.cores, self.board.others(self.slot), borrows=self.borrows
+        )
+        if threads != self.threads:
+            import torch  # here: `kvrelay serve` imports this module for `serve_board`
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+        self._publish(threads)
+        return threads
+
+    def idle(self) -> None:
+        """Nothing runs here now: publish 0, so a borrower may take these cores."""
+        self._publish(0)
+
+    def close(self) -> None:
+        self.board.release(self.slot)
+
+    def _publish(self, threads: int) -> None:
+        if threads != self._published:
+            self.board.publish(self.slot, threads)
+            self._published = threads
+
+
+def step_threads_from_env(
+    role: str, share: int, environ: Mapping[str, str] | None = None
+) -> StepThreads | None:
+    """This worker's seat on the board `kvrelay serve` named in $KVRELAY_CORE_BOARD, or None
+    (no board: the worker keeps `share` threads for every step)."""
+    path = CORE_BOARD.get(environ)
+    if not path:
+        return None
+    try:
+        board = CoreBoard(Path(path))
+    except FileNotFoundError:
+        logger.warning("%s=%s is gone: %d thread(s) per step", CORE_BOARD.name, path, share)
+        return None
+    slot = board.claim(os.getpid())
+    if slot is None:
+        logger.warning("core board %s is full: %d thread(s) per step", path, share)
+        return None
+    cores = len(os.sched_getaffinity(0))
+    return StepThreads(board, slot, share, cores, borrows=role in BORROWER_ROLES)
+
+
+@contextlib.contextmanager
+def serve_board(
+    plan: ServeCores, environ: MutableMapping[str, str] | None = None
+) -> Iterator[Path | None]:
+    """For `kvrelay serve`, as `plan` says: a board for its workers, named in
+    $KVRELAY_CORE_BOARD, and WAIT_ENV unless the environment sets an OpenMP wait of its own;
+    set before Ray starts (the raylet passes its environment on to the workers it starts) and
+    taken back on exit, when the board is removed. Yields the board's path, or None."""
+    environ = os.environ if environ is None else environ
+    path = CoreBoard.create() if plan.board else None
+    added = {CORE_BOARD.name: str(path)} if path is not None else {}
+    if plan.passive and not any(name in environ for name in OPENMP_WAIT_NAMES):
+        added.update(WAIT_ENV)  # a setting of theirs stays
+    environ.update(added)
+    try:
+        yield path
+    finally:
+        for name in added:
+            environ.pop(name, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
