@@ -5,7 +5,8 @@ KVRELAY_DECODE_ATTENTION.
 The engine calls `prepare` once, before its decode graphs are captured (a graph records the
 kernel the table chose), never inside a served step. Timing needs a real CUDA device: on a
 torch built without CUDA (the fake-CUDA rig), or off the `cuda` backend, nothing is timed and
-the CUDA kernel keeps every step unless a test injects timings (`measure=`).
+the CUDA kernel keeps every step unless a test injects timings (`measure_fn=`); where only
+one kernel runs the shape (or a variant), it takes every step untimed.
 
 How it times: the smallest cell first, once per kernel, outside the clock (Triton compiles
 its decode variant there, inside the engine's warm-up); then the cells largest first, the two
@@ -266,8 +267,11 @@ def prepare(
         if mode == "auto" and not any(runs.values()):
             logger.info("decode attention (%s): no decode kernel runs it", shape.describe())
             continue  # the cuda backend's own fallback serves such steps
+        only = [kernel for kernel, ok in runs.items() if ok]
         if mode != "auto":
             table = pinned_table(shape, mode, runs)
+        elif len(only) == 1:  # nothing to choose between: nothing timed
+            table = DecodeTable(shape, only[0], f"only the {only[0]} kernel runs it")
         elif measure_fn is None and not can_time(kv_cache):
             table = DecodeTable(shape, CUDA, "unmeasured (no CUDA device to time on)")
         else:

@@ -226,16 +226,22 @@ def test_a_kernel_that_got_no_timing_is_not_chosen(monkeypatch: pytest.MonkeyPat
     assert none.default == CUDA and none.source.startswith("unmeasured (no kernel could")
 
 
-def test_a_kernel_that_refuses_the_variant_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_one_kernel_that_runs_the_shape_nothing_is_timed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     runnable(monkeypatch, triton=False)
-    handed: list[list[str]] = []
+    handed: list[Any] = []
 
-    def measure(shape: Any, calls: Any, kv_cache: Any) -> dict[tuple[str, int, int], float]:
-        handed.append(sorted(calls))
-        return {(CUDA, 1, 128): 1.0}
+    def measure(*args: Any) -> dict[tuple[str, int, int], float]:
+        handed.append(args)
+        return {}
 
     (table,) = decode_timing.prepare(cache(), 4, measure_fn=measure, environ={})
-    assert handed == [[CUDA]] and table.kernel_for(256, 8192) == CUDA
+    assert handed == [] and table.kernel_for(256, 8192) == CUDA
+    assert table.source == "only the cuda kernel runs it"
+    runnable(monkeypatch, cuda=False)
+    (table,) = decode_timing.prepare(cache(), 4, measure_fn=measure, environ={})
+    assert handed == [] and table.graph_kernel_for(1) == TRITON
 
 
 def test_the_cuda_kernel_is_refused_a_variant_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
