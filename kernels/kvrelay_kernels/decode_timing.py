@@ -218,17 +218,19 @@ def _time_cell(
     """Median seconds per call of each of `runs` on one cell, the kernels taking turns."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
     counts: dict[str, int] = {}
-    for name, fn in list(runs.items()):
-        try:
-            probe = timer(fn, 1)  # also the cell's warm call
-        except Exception as exc:  # e.g. out of memory at a large cell: no time there
-            logger.warning("decode timing: %s at b%d c%d failed (%s)", name, batch, context, exc)
-            samples.pop(name)
-            continue
-        counts[name] = max(1, min(MAX_CALLS, math.ceil(SAMPLE_S / max(probe, 1e-9))))
-    for _ in range(REPEATS):
-        for name in samples:
-            samples[name].append(timer(runs[name], counts[name]) / counts[name])
+    for turn in range(REPEATS + 1):  # a probe of one call each (the warm call), then samples
+        for name in list(samples):
+            try:
+                seconds = timer(runs[name], counts.get(name, 1))
+            except Exception as exc:  # e.g. out of memory at a large cell: no time there
+                cell = f"b{batch} c{context}"
+                logger.warning("decode timing: %s at %s failed (%s)", name, cell, exc)
+                del samples[name]
+                continue
+            if turn == 0:
+                counts[name] = max(1, min(MAX_CALLS, math.ceil(SAMPLE_S / max(seconds, 1e-9))))
+            else:
+                samples[name].append(seconds / counts[name])
     return {(name, batch, context): statistics.median(s) for name, s in samples.items()}
 
 

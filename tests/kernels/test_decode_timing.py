@@ -123,6 +123,27 @@ def test_a_kernel_that_fails_at_one_cell_misses_that_cell_only() -> None:
     assert len(timings) == 2 * len(ALL_CELLS) - 1
 
 
+def test_a_kernel_that_fails_between_samples_misses_that_cell_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    k = Kernels(lambda name, b, c: 1e-4)
+    calls_at_cell = itertools.count()
+
+    def timer(fn: Callable[[], object], calls: int) -> float:
+        t = k.timer(fn, calls)
+        if k.last == (CUDA, 16, 512) and next(calls_at_cell) == 2:  # its third sample
+            raise RuntimeError("launch failed")
+        return t
+
+    with caplog.at_level(logging.WARNING, logger="kvrelay_kernels.decode_timing"):
+        timings = decode_timing.measure(
+            SHAPE, {CUDA: k.call(CUDA), TRITON: k.call(TRITON)}, cache(), timer=timer
+        )
+    assert (CUDA, 16, 512) not in timings and (TRITON, 16, 512) in timings
+    assert len(timings) == 2 * len(ALL_CELLS) - 1
+    assert "cuda at b16 c512 failed (launch failed)" in caplog.text
+
+
 def test_cell_inputs_give_each_sequence_its_blocks_wrapping_around_the_cache() -> None:
     q, tables, lens, out = decode_timing.cell_inputs(cache(blocks=8), 4, 3, 40)
     assert q.shape == out.shape == (3, 4, 64) and q.dtype == torch.float32
