@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from kvrelay_kernels import cuda_backend, triton_backend
+from kvrelay_kernels.counters import COUNTERS
 from kvrelay_kernels.decode_dispatch import (
     BATCH_BUCKETS,
     CONTEXT_BUCKETS,
@@ -295,11 +296,15 @@ def _measured_table(
     """The table of `shape` from timings taken now; a kernel that got no timing at all
     (it raised) counts as one that does not run the shape."""
     calls = kernel_calls(kv_cache, kv_cache.shape[5] ** -0.5, variant, runs)
-    timings: Timings = (
-        measure(shape, calls, kv_cache, budget_s=budget_s)
-        if measure_fn is None
-        else measure_fn(shape, calls, kv_cache)
-    )
+    launched = COUNTERS.cuda_decode_calls
+    try:
+        timings: Timings = (
+            measure(shape, calls, kv_cache, budget_s=budget_s)
+            if measure_fn is None
+            else measure_fn(shape, calls, kv_cache)
+        )
+    finally:  # the counter proves served steps ran the kernel: timing launches are not those
+        COUNTERS.cuda_decode_calls = launched
     timed = {kernel: any(key[0] == kernel for key in timings) for kernel in runs}
     if not any(timed.values()):
         return DecodeTable(shape, CUDA, "unmeasured (no kernel could be timed: see the log)")

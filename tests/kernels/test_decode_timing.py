@@ -294,3 +294,17 @@ def test_a_model_s_config_gives_its_heads_and_variants(monkeypatch: pytest.Monke
 
     decode_timing.prepare_for_model(Model(), cache())
     assert seen == [(4, [(None, None), (512, None)])]
+
+
+def test_timing_launches_are_not_counted_as_served_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay_kernels.counters import COUNTERS
+
+    runnable(monkeypatch)
+
+    def measure(*_: Any) -> dict[tuple[str, int, int], float]:
+        COUNTERS.cuda_decode_calls += 96  # what the CUDA kernel's timed calls count
+        return {(CUDA, 1, 128): 1.0, (TRITON, 1, 128): 2.0}
+
+    before = COUNTERS.cuda_decode_calls
+    decode_timing.prepare(cache(), 4, measure_fn=measure, environ={})
+    assert COUNTERS.cuda_decode_calls == before
