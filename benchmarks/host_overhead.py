@@ -20,12 +20,18 @@ Kernels per layer are counted separately on an eager pure-decode step (graphs of
 the decoder layers' forward that would launch a kernel (tests/fake_cuda/launches.py: views,
 allocations and host <-> device copies excluded; stand-in kernel calls included) / layers.
 
+With `--async-scheduling on|both` the engine launches step n+1 before it reads step n's
+tokens (engine/async_step.py); each row also gives the host ms from a step's token read to
+the next launch (what the GPU idles per step; 0 when the launch comes first) and, with async
+scheduling, by how much the launch came first.
+
 Not measured: the GPU's time, device waits (the sampler's sync returns at once), detokenizing
 (served workers have no tokenizer, as here), the worker's delivery, the HTTP / gRPC side.
 
     .venv/bin/python benchmarks/host_overhead.py
     .venv/bin/python benchmarks/host_overhead.py --batches 256 --phases
     .venv/bin/python benchmarks/host_overhead.py --json --shape tiny --layers 2 --batches 1,4
+    .venv/bin/python benchmarks/host_overhead.py --async-scheduling both --batches 1,64,256
 """
 
 from __future__ import annotations
@@ -41,17 +47,18 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fake_cuda: the rig
 
 import pytest
-import torch
 from tests.fake_cuda import kernels, launches, runtime
+from tests.fake_cuda.calibration import Calibration, calibrate
 from tests.fake_cuda.mode import FakeCudaMode
 from tests.fake_cuda.scenarios import fake_sampling, make_engine, patch_loading, write_model
+from tests.fake_cuda.timeline import Timeline, watch
 
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
@@ -80,18 +87,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """CPU seconds per op that the rig costs outside its clock's spans: torch's C++ -> Python
-    trip into the dispatch mode and back, and a fake result's teardown. Measured at start on a
-    mix of ops like a step's (views, copies, casts, kernels)."""
-
-    host_s: float  # a host op dispatched through the mode, beyond the op's own cost
-    device_s: float  # a device op's whole cost outside the spans: the median of the mix
-    device_low_s: float  # the cheapest op of the mix
-    device_high_s: float  # the dearest
-
-
 @dataclass
 class Rig:
     """Fake CUDA installed in this process, with its clock and launch counter."""
@@ -113,6 +108,9 @@ class Window:
     device_ops: int  # launches.Launches.device_ops: what a GPU run would call too
     uploads: int
     replays: int
+    # Host seconds from each step's token read to the next step's launch (timeline.py):
+    # positive, the device idles; negative, the next step was launched before the read.
+    gaps: list[float] = field(default_factory=list)
 
     def rig_cpu_s(self, cal: Calibration, device_s: float | None = None) -> float:
         """The rig's share: its spans, and each dispatch's cost outside them."""
@@ -139,6 +137,15 @@ class Row:
     graph_replays_per_step: float
     eager_kernels_per_step: int  # the whole eager step: layers, embedding, logits, sampler
     eager_device_ops_per_step: int
+    async_scheduling: bool  # step n+1 launched before step n's tokens are read
+    # Host ms from a step's token read to the next launch (the median; 0 when the launch
+    # comes first): what the GPU idles per step were its steps instantaneous. The host
+    # work per step (host_ms_per_step) is hidden behind a GPU step at least as long when
+    # the launch comes first (async scheduling), and adds to it when not.
+    idle_ms_per_step: float
+    # Async scheduling: how long before step n's read step n+1 was launched (the median):
+    # the host work done while the device computes.
+    launch_lead_ms: float
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,6 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the step's parts (host time, the rig excluded) and print them to stderr")
     add("--api", choices=["delta", "cumulative"], default="delta",
         help="Engine.step_delta (served: new tokens only) or Engine.step (cumulative outputs)")
+    add("--async-scheduling", choices=["off", "on", "both"], default="off",
+        help="time the engine with async scheduling off (as earlier results), on (as served "
+        "on CUDA), or both, window by window in interleaved pairs")
     add("--json", action="store_true",
         help='print [{"batch", "host_ms_per_step", "kernels_per_layer", ...}]')
     # fmt: on
@@ -189,52 +199,6 @@ def install_rig(monkeypatch: pytest.MonkeyPatch) -> Rig:
     # cuda_backend checks the KV tensor's alignment through data_ptr: fake tensors warn.
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
     return Rig(mode, launches.LaunchCounter(mode), calibrate(mode))
-
-
-def _cpu_per_call(call: Callable[[], object], mode: FakeCudaMode, calls: int) -> tuple[float, ...]:
-    """CPU seconds per call of `call`: in all, in the rig's spans, and the mode's host and
-    device dispatches per call."""
-    clock, host, device = mode.clock.seconds, mode.host_dispatches, mode.device_dispatches
-    start = time.thread_time()
-    for _ in range(calls):
-        call()
-    total = time.thread_time() - start
-    span = mode.clock.seconds - clock
-    host, device = mode.host_dispatches - host, mode.device_dispatches - device
-    return total / calls, span / calls, host / calls, device / calls
-
-
-def calibrate(mode: FakeCudaMode, calls: int = 2000, repeats: int = 3) -> Calibration:
-    """Time a mix of host and device ops with and without the mode (see Calibration)."""
-    a, b = torch.ones(8), torch.ones(8)
-    host_ops: list[Callable[[], object]] = [
-        lambda: torch.add(a, b), lambda: a[:4], lambda: a.view(2, 4), lambda: b.copy_(a),
-    ]  # fmt: skip
-    host = []
-    for op in host_ops * repeats:
-        bare, *_ = _cpu_per_call(op, mode, calls)
-        with mode:
-            total, span, dispatches, _ = _cpu_per_call(op, mode, calls)
-        host.append((total - span - bare) / dispatches)
-    with mode:
-        x = torch.empty(64, 576, dtype=torch.bfloat16, device="cuda")
-        y = torch.empty_like(x)
-        rows = torch.arange(4).to("cuda", non_blocking=True)
-        device_ops: dict[str, Callable[[], object]] = {
-            "slice": lambda: x[:4], "view": lambda: x.view(64, 9, 64),
-            "view_dtype": lambda: x.view(torch.int16), "copy": lambda: y.copy_(x),
-            "add": lambda: x + 1, "index": lambda: x[rows], "cast": lambda: x.float(),
-        }  # fmt: skip
-        device = []
-        for op in device_ops.values():
-            costs = []
-            for _ in range(repeats):
-                total, span, _, dispatches = _cpu_per_call(op, mode, calls // 4)
-                costs.append((total - span) / dispatches)
-            device.append(statistics.median(costs))
-    return Calibration(
-        max(0.0, statistics.median(host)), statistics.median(device), min(device), max(device)
-    )
 
 
 def start_decoding(engine: Engine, batch: int, tag: str) -> list[str]:
@@ -269,6 +233,8 @@ def measure_window(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> 
     # No collection inside: the rig's many short-lived objects would trigger collections a
     # run on a GPU does not make (the engine's own garbage is collected between windows).
     step = getattr(engine, STEP_METHOD[api])
+    timeline = Timeline.of(engine, host_clock(rig))
+    restore = watch(engine, timeline)
     gc.collect()
     gc.disable()
     try:
@@ -279,6 +245,7 @@ def measure_window(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> 
             cpu = time.thread_time() - cpu
     finally:
         gc.enable()
+        restore()
     window = Window(
         steps=steps,
         cpu_s=cpu,
@@ -288,6 +255,7 @@ def measure_window(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> 
         device_ops=counted.device_ops,
         uploads=counted.uploads,
         replays=runtime.LOG.graph_replays - replays,
+        gaps=timeline.gaps(),
     )
     if window.replays != steps:  # else this is not the served decode step
         raise RuntimeError(f"{window.replays} graph replays in {steps} decode steps")
@@ -316,11 +284,12 @@ def measure(args: argparse.Namespace, rig: Rig, model: Path) -> list[Row]:
         "max_num_seqs": largest,  # graphs up to the largest batch, as a server sized for it
         "max_num_batched_tokens": max(2048, largest),
     }
-    progress("engine with CUDA graphs (captures each padded batch size)")
-    graphed = make_engine(model, **common)
+    flags = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
+    progress("engines with CUDA graphs (each captures each padded batch size)")
+    graphed = {flag: make_engine(model, async_scheduling=flag, **common) for flag in flags}
     progress("engine without (enforce_eager)")
-    eager = make_engine(model, enforce_eager=True, **common)
-    for engine in (graphed, eager):
+    eager = make_engine(model, enforce_eager=True, async_scheduling=False, **common)
+    for engine in (*graphed.values(), eager):
         fake_sampling(engine)
     rows = []
     with rig.mode.strict_rules():  # the hot loop's rules: a step that breaks one raises
@@ -328,24 +297,36 @@ def measure(args: argparse.Namespace, rig: Rig, model: Path) -> list[Row]:
             progress(f"batch {batch}: kernels per layer (eager)")
             per_layer, eager_step = eager_launches(eager, rig, batch)
             progress(f"batch {batch}: prefill, then {args.windows} x {args.steps} decode steps")
-            ids = start_decoding(graphed, batch, "graphed")
-            windows = []
-            for i in range(args.windows):
-                windows.append(measure_window(graphed, rig, args.steps, args.api))
-                ms = windows[-1].corrected_s(rig.calibration) * 1e3 / args.steps
-                progress(f"batch {batch}: window {i + 1}: {ms:.3f} ms per step (corrected)")
-            if args.phases and batch == largest:
-                phases(graphed, rig, args.steps * args.windows, args.api)
-            stop(graphed, ids)
-            rows.append(summarize(batch, windows, rig.calibration, per_layer, eager_step))
+            ids = {flag: start_decoding(e, batch, "graphed") for flag, e in graphed.items()}
+            windows: dict[bool, list[Window]] = {flag: [] for flag in flags}
+            for i in range(args.windows):  # modes interleaved: each pair under the same load
+                for flag, engine in graphed.items():
+                    windows[flag].append(measure_window(engine, rig, args.steps, args.api))
+                    ms = windows[flag][-1].corrected_s(rig.calibration) * 1e3 / args.steps
+                    mode = "async" if flag else "sync"
+                    progress(f"batch {batch}: window {i + 1} {mode}: {ms:.3f} ms per step")
+            for flag, engine in graphed.items():
+                if args.phases and batch == largest:
+                    phases(engine, rig, args.steps * args.windows, args.api)
+                stop(engine, ids[flag])
+                cal = rig.calibration
+                rows.append(summarize(batch, windows[flag], cal, per_layer, eager_step, flag))
     return rows
 
 
 def summarize(
-    batch: int, windows: list[Window], cal: Calibration, per_layer: float, eager: launches.Launches
+    batch: int,
+    windows: list[Window],
+    cal: Calibration,
+    per_layer: float,
+    eager: launches.Launches,
+    async_scheduling: bool = False,
 ) -> Row:
     def per_step(value: Callable[[Window], float]) -> float:
         return statistics.median(value(w) / w.steps for w in windows)
+
+    gaps = [gap for w in windows for gap in w.gaps]
+    lead = [-gap for gap in gaps if gap < 0]
 
     return Row(
         batch=batch,
@@ -360,6 +341,9 @@ def summarize(
         graph_replays_per_step=per_step(lambda w: w.replays),
         eager_kernels_per_step=eager.num_kernels,
         eager_device_ops_per_step=eager.device_ops,
+        async_scheduling=async_scheduling,
+        idle_ms_per_step=max(0.0, statistics.median(gaps)) * 1e3 if gaps else 0.0,
+        launch_lead_ms=statistics.median(lead) * 1e3 if lead else 0.0,
     )
 
 
@@ -452,15 +436,19 @@ def table(rows: list[Row], cal: Calibration) -> str:
         f"(range {cal.device_low_s * 1e6:.1f}-{cal.device_high_s * 1e6:.1f}: the low-high "
         "column) outside its timed spans. Kernels per layer: an eager pure-decode step.",
         "",
-        "| batch | host ms/step | low-high | target | raw ms/step | rig ms/step "
-        "| device ops/step | kernels/layer | eager kernels/step |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Idle ms: from a step's token read to the next launch (0: launched before the read, "
+        "async scheduling; lead ms: by how much).",
+        "",
+        "| batch | async | host ms/step | low-high | target | idle ms | lead ms | raw ms/step "
+        "| rig ms/step | device ops/step | kernels/layer | eager kernels/step |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         target = f"<= {TARGET_MS[r.batch]:g}" if r.batch in TARGET_MS else "-"
         lines.append(
-            f"| {r.batch} | {r.host_ms_per_step:.3f} | {r.host_ms_low:.2f}-{r.host_ms_high:.2f} "
-            f"| {target} | {r.raw_host_ms_per_step:.2f} | {r.rig_ms_per_step:.2f} "
+            f"| {r.batch} | {'on' if r.async_scheduling else 'off'} | {r.host_ms_per_step:.3f} "
+            f"| {r.host_ms_low:.2f}-{r.host_ms_high:.2f} | {target} | {r.idle_ms_per_step:.3f} "
+            f"| {r.launch_lead_ms:.3f} | {r.raw_host_ms_per_step:.2f} | {r.rig_ms_per_step:.2f} "
             f"| {r.device_ops_per_step:g} | {r.kernels_per_layer:g} "
             f"| {r.eager_kernels_per_step} |"
         )

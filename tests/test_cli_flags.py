@@ -176,7 +176,8 @@ def test_the_table_covers_every_flag_of_every_command() -> None:
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
     )
     switches = {"--no-prefix-caching", "--enforce-eager", "--colocated", "--manage-workers",
-                "--enable-docs", "--ignore-eos", "--allow-unauthenticated"}  # fmt: skip
+                "--enable-docs", "--ignore-eos", "--allow-unauthenticated",
+                "--no-async-scheduling"}  # fmt: skip
     for command in BASE:
         covered = {flag for commands, flag, _, _ in CASES if command in commands}
         flags = _value_flags(subparsers.choices[command]) - FREE_FLAGS - switches
@@ -222,6 +223,8 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
     ({"num_threads": 0}, "num_threads must be >= 1"),
     ({"attention_backend": "flash"}, "attention_backend must be one of auto"),
     ({"enforce_eager": None}, "enforce_eager must be True or False"),
+    ({"async_scheduling": "yes"}, "async_scheduling must be True or False"),
+    ({"async_scheduling": True, "role": "prefill"}, "cannot run on a prefill engine"),
     ({"role": "router"}, "role must be one of both"),
     ({"kv_lease_seconds": 0}, "kv_lease_seconds must be > 0"),
     ({"kv_transfer_failure": "retry"}, "kv_transfer_failure must be one of recompute"),

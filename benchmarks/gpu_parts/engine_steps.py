@@ -7,13 +7,20 @@ not cumulative outputs; each step ends with the engine's one host sync for the s
 median of steady-state steps. Device time is the union of the
 CUDA activities torch.profiler (CUPTI) records in separate steps, divided by their number: a
 profiled step runs slower on the host, but its kernels take what they take.
+
+On CUDA the engine schedules asynchronously by default (engine/async_step.py: step n+1 is
+launched before step n's tokens are read), which is what the "graphs" rows time; each graphed
+batch is timed again on the same engine with async scheduling held aside ("graphs, async
+off"), so one run shows what the overlap hides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +121,23 @@ def step_time(
     return StepTime(statistics.median(times) * 1e3, gpu_ms)
 
 
+@contextlib.contextmanager
+def synchronous(engine: Any) -> Iterator[bool]:
+    """`engine` with its async scheduling held aside (engine/async_step.py), for a synchronous
+    run on the same engine (same graphs, same KV): between runs only, nothing in flight.
+    Yields whether there was async scheduling to hold aside."""
+    overlap = getattr(engine, "overlap", None)
+    if overlap is None:
+        yield False
+        return
+    overlap.drain()
+    engine.overlap = engine.scheduler.fence = None
+    try:
+        yield True
+    finally:
+        engine.overlap = engine.scheduler.fence = overlap
+
+
 def step_ms(engine: Any, batch: int, vocab: int, steps: int) -> float:
     """Median wall time of a pure-decode step with `batch` running sequences."""
     return step_time(engine, batch, vocab, steps, 0, False).wall_ms
@@ -153,9 +177,16 @@ def step_rows(
             rows.append(Row(PART, f"{label} decode step, {mode}, batch {batch}", SKIP,
                             note="time budget"))  # fmt: skip
             continue
-        t = step_time(engine, batch, vocab, 5 if ctx.small else 30, profiled, ctx.cuda)
+        timed = 5 if ctx.small else 30
+        t = step_time(engine, batch, vocab, timed, profiled, ctx.cuda)
         rows.append(step_row(label, mode, batch, t, ctx.cuda))
         ctx.shared[f"step:{label}:{mode}:{batch}"] = t.wall_ms
+        if mode != "graphs" or deadline.expired():
+            continue
+        with synchronous(engine) as held:
+            if held:  # the same steps without the overlap: what it hides
+                t = step_time(engine, batch, vocab, timed, profiled, ctx.cuda)
+                rows.append(step_row(label, "graphs, async off", batch, t, ctx.cuda))
     return rows
 
 

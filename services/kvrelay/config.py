@@ -393,6 +393,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA: run every step eagerly (no CUDA graphs for decode steps).
     enforce_eager: bool = False
+    # Launch step n+1 before reading step n's tokens (engine/async_step.py); None: on CUDA.
+    async_scheduling: bool | None = None
     # Disaggregation: "both" runs whole requests; "prefill" stops after the first token and
     # holds the prompt's blocks under a lease for a decode engine; "decode" also accepts
     # requests whose prompt KV it pulls from a prefill engine.

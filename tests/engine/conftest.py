@@ -58,6 +58,7 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
         enable_prefix_caching: bool = True,
         role: str = "both",
         kv_transfer_failure: str = "recompute",
+        async_scheduling: bool | None = None,
     ) -> Engine:
         model, model_config = load_model(tiny_llama_dir, select_backend("torch"))
         model.prepack()  # as EngineArgs.create_engine does
@@ -75,6 +76,7 @@ def make_engine(tiny_llama_dir: Path) -> EngineFactory:
             max_model_len=max_model_len,
             role=role,
             kv_transfer_failure=kv_transfer_failure,
+            async_scheduling=async_scheduling,
         )
         return Engine(config, model, tokenizer=None)
 

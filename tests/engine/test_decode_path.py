@@ -118,11 +118,13 @@ def test_the_decode_paths_inputs_equal_the_host_built_ones(make_engine: EngineFa
     uploader = engine.runner.uploader
     assert uploader is not None
 
-    def checked(chunks: Any, table_of: Any, changed: Any, copies: Any = ()) -> Any:
+    def checked(
+        chunks: Any, table_of: Any, changed: Any, copies: Any = (), feed: Any = None
+    ) -> Any:
         tables = [table_of(c.request.request_id) for c in chunks]
         expected.append(build_batch_inputs(chunks, tables, engine.runner.block_size))
         before = uploader.stager.uploads
-        result = execute_decodes(chunks, table_of, changed, copies)
+        result = execute_decodes(chunks, table_of, changed, copies, feed)
         assert uploader.stager.uploads == before + 1  # copy-on-write pairs in the same copy
         return result
 
@@ -175,9 +177,11 @@ def test_copy_on_write_pairs_go_up_with_a_decode_step(make_engine: EngineFactory
     seen: list[Any] = []
     execute_decodes = engine.runner.execute_decodes
 
-    def recorded(chunks: Any, table_of: Any, changed: Any, copies: Any = ()) -> Any:
+    def recorded(
+        chunks: Any, table_of: Any, changed: Any, copies: Any = (), feed: Any = None
+    ) -> Any:
         seen.extend(copies)
-        return execute_decodes(chunks, table_of, changed, copies)
+        return execute_decodes(chunks, table_of, changed, copies, feed)
 
     engine.runner.execute_decodes = recorded  # type: ignore[method-assign]
     engine.add_request("pair", [5] * 10, params)

@@ -121,6 +121,7 @@ FIELD_CHECKS: dict[str, Callable[[Any], object]] = {
     "num_threads": lambda v: v is None or _int("num_threads", v, 1),
     "attention_backend": lambda v: _choice("attention_backend", v, ATTENTION_BACKENDS),
     "enforce_eager": lambda v: _bool("enforce_eager", v),
+    "async_scheduling": lambda v: None if v is None else _bool("async_scheduling", v),
     "role": lambda v: _choice("role", v, ROLES),
     "kv_lease_seconds": lambda v: _number("kv_lease_seconds", v, 0),
     "kv_transfer_failure": lambda v: _choice("kv_transfer_failure", v, KV_TRANSFER_FAILURES),
@@ -133,6 +134,11 @@ def check_combination(args: EngineArgs) -> None:
         raise ValueError(
             "int8_activations multiplies GGUF-quantized weights only: add quantization q4_1, "
             "q8_0 or auto (--quantization; the default model keeps its Q4_1 GGUF), or drop it"
+        )
+    if args.async_scheduling and args.role == "prefill":
+        raise ValueError(
+            "async_scheduling cannot run on a prefill engine (it hands each request off at "
+            "its first token, read at once): drop --async-scheduling or use --role both"
         )
 
 
@@ -159,6 +165,7 @@ class EngineArgs:
     num_threads: int | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
     role: str = "both"  # "both" | "prefill" | "decode" (disaggregated serving)
     kv_lease_seconds: float = 30.0  # prefill role: how long a handed-off KV waits for a pull
     kv_transfer_failure: str = "recompute"  # decode role: "recompute" | "fail" an unusable KV
@@ -243,6 +250,7 @@ class EngineArgs:
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             role=self.role,
             kv_lease_seconds=self.kv_lease_seconds,
             kv_transfer_failure=self.kv_transfer_failure,
@@ -341,6 +349,12 @@ class EngineArgs:
             help=_HELP["attention_backend"],
         )
         add("--enforce-eager", action="store_true", help=_HELP["enforce_eager"])
+        add(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=_HELP["async_scheduling"],
+        )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -419,6 +433,11 @@ _HELP = {
     "--kv-cache-memory is given",
     "enforce_eager": "CUDA: run every step eagerly, no CUDA graphs (by default decode steps "
     "replay graphs captured at batch sizes 1, 2, 4, 8, ... up to --max-num-seqs)",
+    "async_scheduling": "launch each step before reading the last one's sampled tokens, so "
+    "the host's work overlaps the GPU's (vLLM's --async-scheduling; default: on for CUDA, off "
+    "on the CPU, where torch computes on the calling thread; not with --role prefill). Steps "
+    "of requests with penalties, logprobs, prompt logprobs, a grammar or min_tokens run "
+    "synchronously",
     "enable_prefix_caching": "turn prefix caching off",
     "max_num_batched_tokens": "token budget of one engine step, decode tokens and prefill "
     "chunks together (default 512); longer prompts are prefilled in chunks",

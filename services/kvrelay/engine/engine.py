@@ -15,6 +15,7 @@ from kvrelay.common.detokenizer import Tokenizer
 from kvrelay.common.messages import EngineRequest, EngineStats, KVHandle, PullPlan, Role
 from kvrelay.common.sampling_params import SamplingParams, check_vocab
 from kvrelay.config import EngineConfig
+from kvrelay.engine.async_step import overlap_for
 from kvrelay.engine.engine_stats import engine_stats
 from kvrelay.engine.grammar_gate import GrammarGate, advance_matcher
 from kvrelay.engine.handoff import KVHandoff, first_token_logprobs
@@ -25,7 +26,8 @@ from kvrelay.engine.outputs import RequestOutput, StepDelta
 from kvrelay.engine.parent_request import ParentRequest
 from kvrelay.engine.prompt_logprobs import take_scores
 from kvrelay.engine.request import Request, RequestStatus, validate_prompt
-from kvrelay.engine.runner import CausalLMModel, ModelRunner, StepResult
+from kvrelay.engine.resume import check_resume, resume
+from kvrelay.engine.runner import CausalLMModel, Feed, ModelRunner, StepResult
 from kvrelay.engine.sampler import Sampler, skip_seeded_draws
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.engine.step_outputs import Rows, append_sampled
@@ -59,7 +61,6 @@ class Engine:
             extra_keys=(config.model,),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        sampler = Sampler(torch.Generator().manual_seed(config.seed))
         kv_tensor = allocate_kv_cache(
             config.model_config, num_blocks, block_size, dtype, device=config.device
         )
@@ -68,12 +69,13 @@ class Engine:
             model,
             kv_tensor,
             block_size,
-            sampler,
+            Sampler(torch.Generator().manual_seed(config.seed)),
             max_blocks_per_seq=-(-self.max_total_tokens // block_size),
             max_num_seqs=config.scheduler.max_num_seqs,
         )
         if config.device.startswith("cuda"):
             self._warm_up(kv_tensor)
+        self.overlap = overlap_for(config, self.scheduler, self.runner)  # async scheduling
         self.role = Role(config.role)
         self.handoff = KVHandoff(
             self.kv_cache,
@@ -164,10 +166,10 @@ class Engine:
         if request.kv_handle is not None:
             return self._add_prefilled(request, request.kv_handle)
         self.handoff.check_params(request.params, prefilled=False)
-        resumed = self._check_resume(request)
+        resumed = check_resume(request, self.config.model_config.vocab_size, self.max_total_tokens)
         children = self._register(request)
         if resumed:
-            self._resume(children[0], resumed)
+            resume(children[0], resumed, *self._owner[children[0].request_id])
         if request.params.structured_outputs is not None:
             self._grammar.hold(self._parents[request.request_id], queued=True)
         else:
@@ -202,29 +204,6 @@ class Engine:
                 priority=priority,
             )
         )
-
-    def _check_resume(self, request: EngineRequest) -> list[int]:
-        outputs = [int(t) for t in request.resume_output_token_ids]
-        if not outputs:
-            return outputs
-        vocab = self.config.model_config.vocab_size
-        params = request.params
-        if params.n != 1:
-            raise ValueError("resume_output_token_ids needs n = 1")
-        check_vocab("resume_output_token_ids", outputs, vocab)
-        if params.max_tokens is not None and len(outputs) >= params.max_tokens:
-            raise ValueError("resume_output_token_ids leaves nothing to generate (max_tokens)")
-        if len(request.prompt_token_ids) + len(outputs) >= self.max_total_tokens:
-            raise ValueError("the prompt and resume_output_token_ids fill the context")
-        return outputs
-
-    def _resume(self, request: Request, outputs: list[int]) -> None:
-        request.resume(outputs)
-        parent, index = self._owner[request.request_id]
-        for token_id in outputs:
-            parent.detokenize(index, token_id)  # the text so far; a stop was checked there
-        if request.generator is not None and not request.sampling_params.is_greedy:
-            skip_seeded_draws(request.generator, len(outputs))
 
     def _register(self, request: EngineRequest) -> list[Request]:
         """Validate a new request and create its `n` samples (not queued yet)."""
@@ -269,6 +248,8 @@ class Engine:
             if not child.is_finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
             self._owner.pop(child.request_id, None)
+        if self.overlap is not None and not self.scheduler.num_unfinished:
+            self.overlap.drain()  # nothing left but the rows of finished requests
         return parent.output()
 
     def has_unfinished_requests(self) -> bool:
@@ -279,8 +260,13 @@ class Engine:
         """Whether `step` would do something now: requests to run, or outputs to return.
         (Requests waiting for remote KV need a `finish_pull` first.)"""
         scheduler = self.scheduler
+        in_flight = self.overlap is not None and self.overlap.inflight is not None
         return bool(
-            scheduler.running or scheduler.waiting or self._finished_outside_step or self._grammar
+            scheduler.running
+            or scheduler.waiting
+            or self._finished_outside_step
+            or self._grammar
+            or in_flight
         )
 
     def step(self) -> list[RequestOutput]:
@@ -313,8 +299,11 @@ class Engine:
         self.handoff.expire_leases()
         if self._grammar:
             self._release_compiled()
-        plan = self.scheduler.schedule()
-        result = self._execute(plan) if not plan.is_empty else StepResult.empty()
+        overlap = self.overlap
+        result = None if overlap is None else overlap.step(self._execute, self._abort_sample)
+        if result is None:  # a synchronous step
+            plan = self.scheduler.schedule()
+            result = self._execute(plan) if not plan.is_empty else StepResult.empty()
         touched, self._finished_outside_step = self._finished_outside_step, {}
         take_scores(result.prompt_scores)
         for request in result.failed:
@@ -335,6 +324,8 @@ class Engine:
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
+        if self.overlap is not None:
+            self.overlap.after_outputs()
         return StepDelta(*(rows or ([], [])), outputs)
 
     def _release_compiled(self) -> None:
@@ -345,24 +336,32 @@ class Engine:
         for parent in self._grammar.release(scheduler, self.handoff, self._queue, self.finish_pull):
             self._finished_outside_step[parent.request_id] = parent
 
-    def _execute(self, plan: SchedulerOutput) -> StepResult:
+    def _execute(self, plan: SchedulerOutput, feed: Feed | None = None) -> StepResult:
+        """Run `plan`; with `feed` (async_step.py) its tokens stay on the device and its
+        chunks are counted computed later, by the overlap."""
         kv_cache, runner = self.kv_cache, self.runner
         changed = kv_cache.take_changed()  # every step: the runner's tables stay exact
         try:
             if plan.decodes_only and runner.replays_decodes(len(plan.chunks)):
                 result = runner.execute_decodes(
-                    plan.chunks, kv_cache.block_table, changed, plan.copies
+                    plan.chunks, kv_cache.block_table, changed, plan.copies, feed
                 )
             else:
                 tables = [kv_cache.block_table(c.request.request_id) for c in plan.chunks]
-                result = runner.execute(plan.chunks, tables, plan.copies)
+                result = runner.execute(plan.chunks, tables, plan.copies, feed)
         except Exception:
-            # Free what this batch holds so a failure never leaks blocks, then let it surface.
-            for chunk in plan.chunks:
-                self.abort(self._owner[chunk.request.request_id][0].request_id)
+            # Free what this batch holds so a failure never leaks blocks, then let it surface
+            # (each parent once: aborting one of n samples ends its siblings too).
+            owners = [self._owner.get(c.request.request_id) for c in plan.chunks]
+            for parent_id in dict.fromkeys(o[0].request_id for o in owners if o is not None):
+                self.abort(parent_id)
             raise
-        self.scheduler.update_after_step(plan.chunks)
+        if feed is None:
+            self.scheduler.update_after_step(plan.chunks)
         return result
+
+    def _abort_sample(self, request: Request) -> None:
+        self.abort(self._owner[request.request_id][0].request_id)
 
     def _fail(self, request: Request, error: str) -> ParentRequest:
         """Fail `request`'s whole parent (a request's n samples succeed or fail together):

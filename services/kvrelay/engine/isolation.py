@@ -36,7 +36,11 @@ class IsolatedSample(NamedTuple):
 
 
 def sample_isolating(
-    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], requests: Sequence[Request]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    requests: Sequence[Request],
+    uniforms: torch.Tensor | None = None,
 ) -> IsolatedSample:
     """Sample every row of `logits` [S, V], keeping apart the rows that cannot be sampled.
 
@@ -44,9 +48,11 @@ def sample_isolating(
     single-row samples, once per failing step). A row that fails alone is a culprit, logged
     with its traceback under its request's id. If no row fails alone the batched
     failure was not any request's doing: every row keeps its single-row sample. The batched
-    path returns the sampler's own lists: nothing is built per row.
+    path returns the sampler's own lists: nothing is built per row. `uniforms`: the step's
+    draws when already drawn (a deferred sampling that raised: runner.py), else drawn here.
     """
-    uniforms = sampler.draw_uniforms(rows)  # [S]: every draw of this step, before any risk
+    if uniforms is None:
+        uniforms = sampler.draw_uniforms(rows)  # [S]: every draw of this step, before any risk
     try:
         out = sampler.sample(logits, rows, uniforms)
     except Exception:

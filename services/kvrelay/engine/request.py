@@ -97,6 +97,11 @@ class Request:
     # With sampling_params.prompt_logprobs: entries for prompt tokens 1, 2, ... scored so far
     # (engine/prompt_logprobs.py).
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # Async scheduling (engine/async_step.py): tokens sampled on the device and not yet read
+    # (0 or 1 between steps: the scheduler counts them as known, the runner feeds them from
+    # the device), and the number of the last launched step that uses this sequence's blocks.
+    num_pending: int = 0
+    last_launch: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -154,6 +159,21 @@ class Request:
             and not p.logit_bias
             and p.logprobs is None
             and p.min_tokens == 0
+        )
+
+    @functools.cached_property
+    def host_bound(self) -> bool:
+        """Whether a step that samples it needs the host to have read its last token first
+        (penalties over the outputs, logprobs, prompt logprobs, a grammar's mask, the
+        min_tokens mask): async scheduling runs such steps synchronously
+        (engine/async_step.py). Kept: the params never change."""
+        p = self.sampling_params
+        return (
+            p.has_penalties
+            or p.logprobs is not None
+            or p.prompt_logprobs is not None
+            or p.structured_outputs is not None
+            or p.min_tokens > 0
         )
 
     def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:

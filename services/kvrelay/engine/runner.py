@@ -30,6 +30,9 @@ from kvrelay_kernels.counters import COUNTERS
 
 logger = logging.getLogger(__name__)
 
+# Async scheduling: writes the decode rows' input ids (a [T] device tensor) from the tokens
+# the previous step sampled, still on the device (engine/async_step.py).
+Feed = Callable[[torch.Tensor], None]
 # ScheduledChunk's fields by position (a NamedTuple), and a request's id.
 _REQUEST, _START = operator.itemgetter(0), operator.itemgetter(1)
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -63,6 +66,9 @@ class StepResult(NamedTuple):
     failed: list[Request]
     # Prompt tokens scored this step, for requests with prompt_logprobs (prompt_logprobs.py).
     prompt_scores: Sequence[PromptScores] = ()
+    # Async scheduling (`defer_read`): the [len(requests)] int64 tokens on the device, not
+    # read yet (token_ids and logprobs then empty); None: read (token_ids holds them).
+    device_tokens: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, prompt_scores: Sequence[PromptScores] = ()) -> StepResult:
@@ -145,8 +151,11 @@ def _chunk_columns(chunks: Sequence[ScheduledChunk]) -> tuple[list[int], list[in
         q_lens.append(size)
         starts.append(start)
         outputs = request.output_token_ids
-        if size == 1 and start == len(request.prompt_token_ids) + len(outputs) - 1 and outputs:
+        known = len(request.prompt_token_ids) + len(outputs)
+        if size == 1 and start == known - 1 and outputs:
             token_ids.append(outputs[-1])
+        elif start == known:  # async scheduling: its token is on the device (Feed fills it)
+            token_ids.append(0)
         else:
             token_ids.extend(request.token_ids(start, start + size))
     return token_ids, q_lens, starts
@@ -258,13 +267,19 @@ class ModelRunner:
         chunks: Sequence[ScheduledChunk],
         block_tables: Sequence[list[int]],
         copies: Sequence[tuple[int, int]] = (),
+        feed: Feed | None = None,
     ) -> StepResult:
         """Copy the copy-on-write blocks, compute the chunks' K/V, and sample one token for
         each chunk that ends its request and for each of its forks (same logits row, each
         with its own generator). A request whose sampling fails is reported in `failed`
         rather than failing the step (isolation.py); a failed forward pass raises.
+
+        With `feed` (async scheduling), the input ids of tokens not yet read are written on
+        the device first, and the sampled tokens are left there (`StepResult.device_tokens`).
         """
         step = self.prepare(chunks, block_tables, copies)
+        if feed is not None:
+            feed(step.inputs.input_ids)
         if step.copy_src is not None and step.copy_dst is not None:
             # Before the forward pass: it may write into a copy's source (its last owner).
             self.model.backend.copy_blocks(self.kv_cache, step.copy_src, step.copy_dst)
@@ -279,7 +294,7 @@ class ModelRunner:
         requests = [r for c in sampled_chunks for r in (c.request, *c.forks)]
         if step.logits_rows is not None:
             logits = logits[step.logits_rows]
-        return self._sample(logits, requests, scores)
+        return self._sample(logits, requests, scores, defer_read=feed is not None)
 
     def replays_decodes(self, num_seqs: int) -> bool:
         """Whether a pure decode step of `num_seqs` sequences takes `execute_decodes`: on
@@ -298,11 +313,13 @@ class ModelRunner:
         table_of: Callable[[str], list[int]],
         changed: Set[str],
         copies: Sequence[tuple[int, int]] = (),
+        feed: Feed | None = None,
     ) -> StepResult:
         """`execute` of a pure decode step (every chunk one token that samples, no forks;
         `replays_decodes` True): the inputs built with numpy from the persistent block table
         (only the rows of requests in `changed` read from `table_of`), uploaded in one copy,
-        and a graph replayed; no plan, no per-request table, no logits gather."""
+        and a graph replayed; no plan, no per-request table, no logits gather. `feed`: as
+        `execute`'s."""
         assert self.uploader is not None and self.graphs is not None, "see replays_decodes"
         n = len(chunks)
         size = self.graphs.decode_size(n)
@@ -320,22 +337,42 @@ class ModelRunner:
             table_of,
             copies,
         )
+        if feed is not None:
+            feed(step.input_ids)
         if pairs is not None:
             # Before the forward pass: it may write into a copy's source (its last owner).
             self.model.backend.copy_blocks(self.kv_cache, *pairs)
         hidden = self.graphs.replay(size, *step)
-        return self._sample(self.model.compute_logits(hidden), requests, ())
+        logits = self.model.compute_logits(hidden)
+        return self._sample(logits, requests, (), defer_read=feed is not None)
 
     def _sample(
-        self, logits: torch.Tensor, requests: list[Request], scores: Sequence[PromptScores]
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        scores: Sequence[PromptScores],
+        *,
+        defer_read: bool = False,
     ) -> StepResult:
-        """One token for each of `requests` from its row of `logits` [len(requests), V]."""
+        """One token for each of `requests` from its row of `logits` [len(requests), V];
+        with `defer_read`, left on the device (read later: engine/async_step.py), unless the
+        batched sampling raises: then each row is sampled alone and read now."""
         rows: Sequence[SamplingRow]
         if all(r.plain_greedy and r.matcher is None for r in requests):
             rows = GreedyRows(len(requests), lambda i: _sampling_row(requests[i]))
         else:
             rows = [_sampling_row(r) for r in requests]
-        samples = sample_isolating(self.sampler, logits, rows, requests)
+        if defer_read:
+            uniforms = self.sampler.draw_uniforms(rows)
+            try:
+                tokens, _ = self.sampler.sample_on_device(logits, rows, uniforms)
+            except Exception:  # isolation.py's path, with the same draws (a rare step)
+                logger.warning("deferred sampling failed; sampling this step at once")
+                samples = sample_isolating(self.sampler, logits, rows, requests, uniforms)
+            else:
+                return StepResult(requests, [], [], [], scores, tokens)
+        else:
+            samples = sample_isolating(self.sampler, logits, rows, requests)
         failed = [requests[i] for i in samples.failed]
         return StepResult(requests, samples.token_ids, samples.logprobs, failed, scores)
 

@@ -161,6 +161,12 @@ class Sampler:
         params = [r.params for r in rows]
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, params, tokens))
 
+    def read_tokens(self, tokens: torch.Tensor) -> list[int]:
+        """A step's sampled ids from their host copy, once its copy is done (async
+        scheduling's one read per step: engine/async_step.py). The fake-CUDA rig replaces
+        it: fake tensors have no values."""
+        return tokens.tolist()
+
     def sample_on_device(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor | None]]:

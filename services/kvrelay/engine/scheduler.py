@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine import fair_share
@@ -53,7 +53,7 @@ class ScheduledChunk(NamedTuple):
         cls, request: Request, num_tokens: int, forks: tuple[Request, ...] = ()
     ) -> ScheduledChunk:
         start = request.num_computed_tokens
-        samples = start + num_tokens == request.num_tokens
+        samples = start + num_tokens == request.num_tokens + request.num_pending
         return cls(request, start, num_tokens, samples, forks if samples else ())
 
     @property
@@ -82,6 +82,23 @@ class SchedulerOutput:
         return not self.chunks
 
 
+class BlockFence(Protocol):
+    """Async scheduling's guard on freed blocks (engine/async_step.py): a block a launched
+    step still reads or writes never goes back to the pool before that step is done."""
+
+    def in_use(self, request: Request) -> bool:
+        """Whether a launched, unfinished step uses `request`'s blocks."""
+        ...
+
+    def hold(self, request: Request, blocks: list[int]) -> None:
+        """Free `blocks` (released from `request`) once its last launched step is done."""
+        ...
+
+    def wait(self) -> None:
+        """Wait until every launched step's device work is done; free what was held."""
+        ...
+
+
 class Scheduler:
     """Holds the waiting and running requests and builds each step's batch."""
 
@@ -107,12 +124,20 @@ class Scheduler:
         # that answer (it reads no KV), so a full batch nothing leaves costs one comparison
         # per step instead of counting every running request's tenant again.
         self._stuck: tuple[list[Request], list[Request], int] | None = None
+        # Async scheduling: requests with a sampled token not yet read count it as known
+        # (Request.num_pending), and blocks a launched step uses are freed through this.
+        self.fence: BlockFence | None = None
 
     @property
     def num_unfinished(self) -> int:
         pending = sum(len(forks) for forks in self._forks.values())
         remote = len(self.waiting_for_remote_kv)
         return len(self.waiting) + len(self.running) + pending + remote
+
+    @property
+    def forking(self) -> bool:
+        """Whether some request's samples wait to fork at its first token."""
+        return bool(self._forks)
 
     def add(self, request: Request, forks: Sequence[Request] = ()) -> None:
         """Queue `request`; `forks` (same prompt and params) will share its prefill."""
@@ -182,14 +207,19 @@ class Scheduler:
             for forks in self._forks.values():
                 if request in forks:
                     forks.remove(request)
-        self.kv_cache.free(request.request_id)
+        fence = self.fence
+        if fence is not None and fence.in_use(request):
+            # Its blocks go back once the launched step that uses them is done.
+            fence.hold(request, self.kv_cache.release(request.request_id))
+        else:
+            self.kv_cache.free(request.request_id)
         orphans = self._forks.pop(request.request_id, [])
         if orphans:
             # The leader ended before its prefill: the next sample leads the rest.
             self.add(orphans[0], orphans[1:])
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        size = min(request.num_tokens - request.num_computed_tokens, budget)
+        size = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget)
         threshold = self.config.long_prefill_token_threshold
         return min(size, threshold) if threshold else size
 
@@ -214,7 +244,10 @@ class Scheduler:
             if budget == 0:
                 return budget
             start = request.num_computed_tokens
-            left = len(request.prompt_token_ids) + len(request.output_token_ids) - start
+            outputs = request.output_token_ids
+            left = len(request.prompt_token_ids) + len(outputs) + request.num_pending - start
+            if request.num_pending and len(outputs) + 1 >= request.stop_watch[1]:
+                continue  # its token not yet read ends it (max_tokens or length): no more
             if left > 1:
                 prefills.append(request)
             elif (
@@ -242,7 +275,7 @@ class Scheduler:
         if request.status != RequestStatus.RUNNING:
             return budget  # preempted earlier in this step to make room
         start = request.num_computed_tokens
-        left = request.num_tokens - start
+        left = request.num_tokens + request.num_pending - start
         size = 1 if left == 1 else self._chunk_size(request, budget)
         if size == 0 or not self._allocate_or_preempt(request, start + size, out):
             return budget
@@ -276,6 +309,10 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.fence is not None and self.fence.in_use(request):
+            # Its blocks are needed now (that is why it is preempted): wait for the launched
+            # step that uses them instead of holding them (rare: a full KV pool).
+            self.fence.wait()
         self.kv_cache.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -379,6 +416,8 @@ class Scheduler:
         filled, and let the forks of a leader that just sampled join `running`."""
         block_size = self.kv_cache.block_size
         for request, _, num_tokens, _, forks in chunks:
+            if request.status > RequestStatus.PREEMPTED:
+                continue  # async scheduling: it finished after this step was launched
             before = request.num_computed_tokens
             request.num_computed_tokens = after = before + num_tokens
             # Blocks fill only where a chunk crosses a block boundary (after each step the

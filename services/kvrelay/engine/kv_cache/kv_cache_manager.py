@@ -211,14 +211,21 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release every block of the request (a no-op if it holds none). Full blocks stay
         cached until their memory is needed."""
+        table = self.release(request_id)
+        if table:
+            self.pool.free(table)
+
+    def release(self, request_id: str) -> list[int]:
+        """`free` but for the pool: the request no longer holds its blocks here (its id may
+        be used again at once), and the caller hands them to `pool.free` later (async
+        scheduling: once no launched step reads or writes them)."""
         table = self._tables.pop(request_id, None)
         if table is not None:
             self._changed.add(request_id)
         self._num_cached.pop(request_id, None)
         # A copy into a block just released must not run: the block may be reused this step.
         self._copies.pop(request_id, None)
-        if table:
-            self.pool.free(table)
+        return table or []
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content. Returns False (nothing changed) while blocks are in use."""

@@ -1,0 +1,215 @@
+"""Async scheduling on the CPU with real compute (engine/async_step.py): the engine that
+launches step n+1 before reading step n's tokens gives, token for token, what the
+synchronous engine gives, never emits a token past a stop, and leaves every block free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.engine import Engine
+from tests.engine.conftest import EngineFactory, assert_pool_whole
+
+PROMPTS = {f"r{i}": [3 + (7 * i + j) % 120 for j in range(4 + 5 * i)] for i in range(6)}
+
+
+def _finals(
+    engine: Engine, max_steps: int = 2000, seen: dict[str, list[int]] | None = None
+) -> dict[str, list[list[int]]]:
+    """Step (step_delta) until idle (or `max_steps`), collecting each request's final token
+    ids per sample, and checking that the streamed rows and outputs add up to them. `seen`:
+    what the caller streamed so far, by request id (updated)."""
+    streamed = {} if seen is None else seen
+    done: dict[str, list[list[int]]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests() and not engine.has_work():
+            assert_pool_whole(engine)
+            return done
+        rows_ids, rows_tokens, outputs = engine.step_delta()
+        for rid, token in zip(rows_ids, rows_tokens, strict=True):
+            streamed[rid].append(token)
+        for out in outputs:
+            streamed[out.request_id] = list(out.outputs[0].token_ids)
+            if out.finished:
+                assert out.request_id not in done, "a final output twice"
+                done[out.request_id] = [list(o.token_ids) for o in out.outputs]
+                assert streamed[out.request_id] == done[out.request_id][0]
+    if seen is not None:
+        return done
+    raise AssertionError("engine did not finish")
+
+
+def _both(make_engine: EngineFactory, add: Any, **knobs: Any) -> tuple[Any, Any]:
+    results = []
+    for flag in (False, True):
+        engine = make_engine(async_scheduling=flag, **knobs)
+        assert (engine.overlap is not None) is flag
+        add(engine)
+        results.append(_finals(engine))
+    return results[0], results[1]
+
+
+def _mixed(engine: Engine) -> None:
+    """Greedy to max_tokens, stop tokens that end some mid-batch, EOS (id 2, the tiny model's)
+    honoured, seeded sampling, a one-token request."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[40, 41, 42, 43, 44]),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=60),  # EOS may end it
+        SamplingParams(temperature=0.9, seed=11, max_tokens=25, top_k=20, top_p=0.9),
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+    ]
+    for (rid, prompt), p in zip(PROMPTS.items(), params, strict=True):
+        engine.add_request(rid, prompt, p)
+
+
+def test_tokens_equal_the_synchronous_engine(make_engine: EngineFactory) -> None:
+    sync, overlapped = _both(make_engine, _mixed)
+    assert overlapped == sync
+    assert len(sync) == len(PROMPTS)
+    assert sync["r5"] == [[sync["r5"][0][0]]] and len(sync["r0"][0]) == 9
+
+
+def test_stop_tokens_that_end_requests_mid_batch_emit_nothing_after(
+    make_engine: EngineFactory,
+) -> None:
+    """Every request stops on a token many of them sample (the tiny model's favourites):
+    each ends at its first stop token, nothing after it, as without overlap."""
+    probe = make_engine(async_scheduling=False)
+    for rid, prompt in PROMPTS.items():
+        probe.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=30))
+    common: dict[int, int] = {}
+    for tokens in _finals(probe).values():
+        for t in set(tokens[0]):
+            common[t] = common.get(t, 0) + 1
+    stops = sorted(common, key=lambda t: -common[t])[:3]
+
+    def add(engine: Engine) -> None:
+        for rid, prompt in PROMPTS.items():
+            p = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=stops)
+            engine.add_request(rid, prompt, p)
+
+    sync, overlapped = _both(make_engine, add)
+    assert overlapped == sync
+    stopped = [t[0] for t in sync.values() if t[0][-1] in stops]
+    assert len(stopped) >= 2, "the test needs requests that stop on a token"
+    for tokens in overlapped.values():
+        assert not set(tokens[0][:-1]) & set(stops), "a token past a stop"
+
+
+def test_n2_samples_equal(make_engine: EngineFactory) -> None:
+    def add(engine: Engine) -> None:
+        engine.add_request("pair", PROMPTS["r2"], SamplingParams(n=2, temperature=0.8, seed=3))
+        engine.add_request("g", PROMPTS["r1"], SamplingParams(temperature=0.0, max_tokens=12))
+
+    for caching in (True, False):
+        sync, overlapped = _both(make_engine, add, enable_prefix_caching=caching)
+        assert overlapped == sync and len(sync["pair"]) == 2
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_tokens(make_engine: EngineFactory) -> None:
+    """12 blocks of 4 tokens for six requests that need more: preempted and recomputed."""
+
+    def add(engine: Engine) -> None:
+        for rid, prompt in PROMPTS.items():
+            engine.add_request(rid, prompt[:8], SamplingParams(temperature=0.0, max_tokens=20))
+
+    engines = []
+    results = []
+    for flag in (False, True):
+        engine = make_engine(async_scheduling=flag, num_blocks=12)
+        add(engine)
+        results.append(_finals(engine))
+        engines.append(engine)
+    assert results[1] == results[0]
+    assert engines[1].scheduler.num_preemptions > 0
+
+
+def test_mixed_prefill_and_decode_steps(make_engine: EngineFactory) -> None:
+    """Long prompts chunked over several steps (8 tokens a step) while others decode: a
+    chunk's final sample feeds the next decode from the device tensor."""
+
+    def add(engine: Engine) -> None:
+        engine.add_request("a", PROMPTS["r0"], SamplingParams(temperature=0.0, max_tokens=30))
+        engine.add_request("long", list(range(3, 60)), SamplingParams(temperature=0.0))
+        engine.add_request("b", PROMPTS["r3"], SamplingParams(temperature=0.7, seed=2))
+
+    sync, overlapped = _both(make_engine, add, max_num_batched_tokens=8)
+    assert overlapped == sync
+
+
+def test_aborts_mid_generation_free_every_block(make_engine: EngineFactory) -> None:
+    """Requests aborted while a step that holds them is in flight: no token of theirs
+    after the abort (their outputs are what was streamed: a prefix of their tokens without
+    the abort; the overlapped engine is one step behind in what it hands over), the rest as
+    without overlap, and the pool whole at the end."""
+    reference = make_engine(async_scheduling=False)
+    _mixed(reference)
+    whole = _finals(reference)
+    seen = []
+    for flag in (False, True):
+        engine = make_engine(async_scheduling=flag)
+        _mixed(engine)
+        streamed: dict[str, list[int]] = {}
+        early = _finals(engine, 4, streamed)
+        aborted = [engine.abort(rid) for rid in ("r1", "r4")]
+        assert all(a is not None and a.finished for a in aborted)
+        assert [streamed[rid] for rid in ("r1", "r4")] == [
+            a.outputs[0].token_ids for a in aborted if a is not None
+        ], "the abort's output is what was streamed: no token of it after"
+        for rid, out in zip(("r1", "r4"), aborted, strict=True):
+            assert out is not None and out.outputs[0].finish_reason == "abort"
+            tokens = out.outputs[0].token_ids
+            assert tokens == whole[rid][0][: len(tokens)]
+        seen.append({**early, **_finals(engine, seen=streamed)})
+    assert seen[1] == seen[0]
+    assert seen[0] == {rid: t for rid, t in whole.items() if rid not in ("r1", "r4")}
+
+
+def test_abort_everything_with_a_step_in_flight_returns_the_pool(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine(async_scheduling=True)
+    _mixed(engine)
+    engine.step_delta()
+    engine.step_delta()
+    assert engine.overlap is not None and engine.overlap.inflight is not None
+    for rid in PROMPTS:
+        engine.abort(rid)
+    assert engine.overlap.inflight is None
+    assert_pool_whole(engine)
+
+
+def test_host_bound_requests_run_synchronous_steps(make_engine: EngineFactory) -> None:
+    """Penalties, logprobs, min_tokens: the steps that hold them are not overlapped, and
+    their tokens (and logprobs) equal the synchronous engine's."""
+
+    def add(engine: Engine) -> None:
+        engine.add_request("plain", PROMPTS["r0"], SamplingParams(temperature=0.0, max_tokens=20))
+        engine.add_request("late", PROMPTS["r1"], SamplingParams(temperature=0.0, max_tokens=8))
+
+    launched = []
+    outs = []
+    for flag in (False, True):
+        engine = make_engine(async_scheduling=flag)
+        add(engine)
+        streamed: dict[str, list[int]] = {}
+        early = _finals(engine, 5, streamed)
+        engine.add_request(
+            "pen", PROMPTS["r2"], SamplingParams(repetition_penalty=1.5, max_tokens=6, logprobs=1)
+        )
+        engine.add_request("min", PROMPTS["r3"], SamplingParams(min_tokens=4, max_tokens=6))
+        outs.append({**early, **_finals(engine, seen=streamed)})
+        if engine.overlap is not None:
+            launched.append(engine.overlap.launched)
+    assert outs[1] == outs[0]
+    assert 0 < launched[0] < 12  # overlapped before the host-bound ones came, not after
+
+
+def test_the_prefill_role_refuses_async_scheduling(make_engine: EngineFactory) -> None:
+    with pytest.raises(ValueError, match="prefill engine"):
+        make_engine(role="prefill", async_scheduling=True)
+    assert make_engine(role="prefill").overlap is None
