@@ -30,6 +30,7 @@ from kvrelay.worker.core_share import (
     ServeCores,
     StepThreads,
     passive_wait,
+    running_besides_caller,
     serve_board,
     sharing_enabled,
     step_threads_from_env,
@@ -94,10 +95,10 @@ def test_a_bad_choice_names_the_variable() -> None:
 def test_serve_shares_only_with_workers_of_its_own_ray() -> None:
     environ: dict[str, str] = {}
     decide = ServeCores.decide
-    assert decide(2, 2, False, joins_cluster=False, environ=environ) == ServeCores(True, True)
+    assert decide(2, 2, False, joins_cluster=False, environ=environ) == ServeCores(True, False)
     assert decide(2, 2, False, joins_cluster=True, environ=environ) == ServeCores(False, False)
     environ[CORE_SHARE.name] = ""  # empty reads as the default
-    assert decide(2, 2, False, joins_cluster=False, environ=environ) == ServeCores(True, True)
+    assert decide(2, 2, False, joins_cluster=False, environ=environ) == ServeCores(True, False)
     environ[CORE_SHARE.name] = "off"
     assert decide(2, 2, False, joins_cluster=False, environ=environ) == ServeCores(False, False)
     environ[CORE_SHARE.name] = "always"
@@ -112,7 +113,10 @@ def test_colocated_on_a_small_machine_gets_the_passive_wait_only() -> None:
     assert ServeCores.decide(8, 1, True, False, {}) == ServeCores(board=False, passive=False)
     on = {CORE_SHARE.name: "on"}
     assert ServeCores.decide(8, 1, True, False, on) == ServeCores(board=False, passive=True)
-    assert ServeCores.decide(8, 2, False, False, on) == ServeCores(board=True, passive=True)
+    assert ServeCores.decide(8, 2, False, False, on) == ServeCores(board=True, passive=False)
+    assert ServeCores.decide(2, 1, True, False, {CORE_SHARE.name: "off"}) == ServeCores(
+        False, False
+    )
     assert passive_wait("auto", 4) and not passive_wait("auto", 5) and not passive_wait("off", 2)
 
 
@@ -192,6 +196,7 @@ def test_a_prefill_seat_sizes_the_loop_threads_team(board_path: Path) -> None:
         seat = step_threads_from_env("prefill", 1, {CORE_BOARD.name: str(board_path)})
         assert seat is not None and seat.borrows
         seat.cores = 2  # this test's machine may have more
+        seat.running_elsewhere = lambda: 0  # and other processes: the machine's own below
         for partner_threads in (0, 1, 0):
             partner.publish(partner_slot, partner_threads)
             team = seat.before_step()
@@ -213,6 +218,33 @@ def test_a_decode_seat_keeps_its_share_and_publishes_while_busy(board_path: Path
     assert seat.before_step() == 1 and other.others(-1) == 1
     seat.idle()
     assert other.others(-1) == 0
+
+
+def test_a_borrower_leaves_the_cores_to_another_process_that_runs(board_path: Path) -> None:
+    running = [1]
+    seat = StepThreads(CoreBoard(board_path), 0, 1, 4, True, running_elsewhere=lambda: running[0])
+    try:
+        assert seat.before_step() == 3  # 4 cores, its partners idle, one other process runs
+        # Its own second and third threads may still spin from that step: not counted.
+        running[0] = 3
+        assert seat.before_step() == 3
+        running[0] = 4  # one more than its own: one core less
+        assert seat.before_step() == 2
+        running[0] = 9
+        assert seat.before_step() == 1  # never under its share
+    finally:
+        seat.close()
+
+
+def test_the_machines_running_threads_include_a_busy_process() -> None:
+    """The real count, /proc/stat's: a spinning child is in every sample."""
+    child = subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"])
+    try:
+        assert _within(5.0, lambda: running_besides_caller() >= 1)
+    finally:
+        child.kill()
+        child.wait()
+    assert running_besides_caller(samples=1) >= 0
 
 
 def test_no_board_no_seat(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -291,7 +323,7 @@ def test_the_engine_loop_borrows_while_the_partner_idles(
     partner_slot = partner.claim(os.getppid())
     slot = board.claim(os.getpid())
     assert slot is not None and partner_slot is not None
-    seat = RecordingSeat(board, slot, share=1, cores=2, borrows=True)
+    seat = RecordingSeat(board, slot, share=1, cores=2, borrows=True, running_elsewhere=lambda: 0)
     loop = EngineLoop(make_engine(), step_threads=seat)
     params = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3)
 

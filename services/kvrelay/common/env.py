@@ -228,11 +228,11 @@ CORE_SHARE = EnvVar(
     "auto",
     "how `kvrelay serve`'s workers use a small machine's cores: P/D workers share them step "
     "by step (the prefill worker runs a step on its share plus the cores the other workers "
-    "leave idle: a lone prompt on all of them while the decode worker has nothing running; "
-    "decode workers keep their share), and the OpenMP team threads of every worker, P/D or "
-    "colocated, sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, unless the "
-    "environment sets an OpenMP wait). `auto`: on machines of at most 4 cores, when `serve` "
-    "starts its own Ray; `on`: on any; `off`: neither (`worker/core_share.py`)",
+    "leave idle, when no other process runs: a lone prompt on all of them while the decode "
+    "worker has nothing running; decode workers keep their share); a colocated worker's "
+    "OpenMP team threads sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, "
+    "unless the environment sets an OpenMP wait). `auto`: on machines of at most 4 cores, "
+    "when `serve` starts its own Ray; `on`: on any; `off`: neither (`worker/core_share.py`)",
 )
 CORE_BOARD = EnvVar(
     "KVRELAY_CORE_BOARD",
