@@ -213,3 +213,40 @@ def test_the_prefill_role_refuses_async_scheduling(make_engine: EngineFactory) -
     with pytest.raises(ValueError, match="prefill engine"):
         make_engine(role="prefill", async_scheduling=True)
     assert make_engine(role="prefill").overlap is None
+
+
+def test_a_token_outside_the_vocabulary_fails_its_request_alone(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row whose sampling gives no valid id (NaN logits: the inverse CDF returns the
+    vocabulary size) is found at the read: its request fails alone, as in the synchronous
+    engine, and the next step's input, gathered before the read, is clamped into the
+    vocabulary (the embedding never reads out of range)."""
+    engine = make_engine(async_scheduling=True)
+    sampler = engine.runner.sampler
+    sample_on_device = sampler.sample_on_device
+    vocab = engine.config.model_config.vocab_size
+    calls = [0]
+
+    def broken(logits: Any, rows: Any, uniforms: Any) -> Any:
+        tokens, logprobs = sample_on_device(logits, rows, uniforms)
+        calls[0] += 1
+        if calls[0] == 4 and tokens.shape[0] == 2:  # the 4th step: row 0 goes bad
+            tokens = tokens.clone()
+            tokens[0] = vocab
+        return tokens, logprobs
+
+    monkeypatch.setattr(sampler, "sample_on_device", broken)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.add_request("bad", PROMPTS["r0"], params)
+    engine.add_request("good", PROMPTS["r1"], params)
+    outs: dict[str, Any] = {}
+    while engine.has_unfinished_requests() or engine.has_work():
+        for out in engine.step_delta().outputs:
+            outs[out.request_id] = out
+    assert outs["bad"].error is not None and outs["bad"].outputs[0].finish_reason == "abort"
+    assert len(outs["bad"].outputs[0].token_ids) == 3  # the three before the bad one
+    reference = make_engine(async_scheduling=False)
+    reference.add_request("good", PROMPTS["r1"], params)
+    assert outs["good"].outputs[0].token_ids == _finals(reference)["good"][0]
+    assert_pool_whole(engine)

@@ -192,26 +192,30 @@ class Overlap:
         for request in result.requests:
             request.num_pending += 1
         tokens = result.device_tokens
+        top = self.vocab_size - 1
         if tokens is None:  # sampled at once (a failed batch, isolation.py): read already
-            ids = np.maximum(np.array(result.token_ids, np.int64), 0)  # a failed row's -1
+            ids = np.clip(np.array(result.token_ids, np.int64), 0, top)  # a failed row's -1
             tokens = torch.from_numpy(ids).to(self.device, non_blocking=True)
             return InFlight(number, plan.chunks, result, tokens, None, None)
         host, event = self._copy_to_host(tokens, number)
+        # After the copy, in stream order: the read sees a token outside the vocabulary (a
+        # row whose sampling gave none fails its request), the next step's embedding never.
+        with torch.inference_mode():  # made under it (runner.py): changed under it
+            tokens.clamp_(0, top)
         return InFlight(number, plan.chunks, result, tokens, host, event)
 
     def _feed(self, chunks: list[Any], previous: InFlight | None) -> Feed:
         """Writes each decode's input id whose token `previous` sampled (not read yet) from
-        its device tensor; a token out of the vocabulary (a row whose sampling gave none:
-        the read fails that request) is clamped so the embedding never reads out of range."""
+        its device tensor (clamped into the vocabulary: `_launch`)."""
         if previous is None:
             return _no_feed
         requests = previous.result.requests
-        source, top = previous.tokens, self.vocab_size - 1
+        source = previous.tokens
         if len(chunks) == len(requests) and list(map(_REQUEST, chunks)) == requests:
             # A steady decode batch: the same requests in the same order (compared by
             # identity, in C), each one token: one device op, no index.
             def feed_all(input_ids: torch.Tensor) -> None:
-                torch.clamp(source, 0, top, out=input_ids)
+                input_ids.copy_(source)
 
             if all(chunk[2] == 1 for chunk in chunks):
                 return feed_all
@@ -231,16 +235,16 @@ class Overlap:
 
         def feed(input_ids: torch.Tensor) -> None:
             # input_ids: [T] int64; the rows `index[0]` take tokens `index[1]` of `source`
-            input_ids.index_copy_(0, index[0], source.index_select(0, index[1]).clamp_(0, top))
+            input_ids.index_copy_(0, index[0], source.index_select(0, index[1]))
 
         return feed
 
     def _copy_to_host(self, tokens: torch.Tensor, number: int) -> tuple[torch.Tensor, Any]:
         """`tokens` [S] copied to host memory without waiting, and the event after the copy
-        (None on the CPU: the tokens are there already). Two pinned buffers, by the step's
+        (None on the CPU: computed already). Two pinned buffers, by the step's
         parity: the one a step writes was last read two steps before."""
         if tokens.device.type == "cpu":
-            return tokens, None
+            return tokens.clone(), None  # `tokens` is clamped next: the read sees them raw
         n = int(tokens.shape[0])
         buffer = self._buffers[number % 2]
         if buffer is None or buffer.shape[0] < n:
