@@ -119,13 +119,22 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens(make_engine: EngineF
 
     engines = []
     results = []
+    waits = [0]
     for flag in (False, True):
         engine = make_engine(async_scheduling=flag, num_blocks=12)
+        if engine.overlap is not None:  # a victim in the step in flight: waited for
+            wait = engine.overlap.wait
+
+            def counted(wait: Any = wait) -> None:
+                waits[0] += 1
+                wait()
+
+            engine.overlap.wait = counted  # type: ignore[method-assign]
         add(engine)
         results.append(_finals(engine))
         engines.append(engine)
     assert results[1] == results[0]
-    assert engines[1].scheduler.num_preemptions > 0
+    assert engines[1].scheduler.num_preemptions > 0 and waits[0] > 0
 
 
 def test_mixed_prefill_and_decode_steps(make_engine: EngineFactory) -> None:
@@ -249,4 +258,33 @@ def test_a_token_outside_the_vocabulary_fails_its_request_alone(
     reference = make_engine(async_scheduling=False)
     reference.add_request("good", PROMPTS["r1"], params)
     assert outs["good"].outputs[0].token_ids == _finals(reference)["good"][0]
+    assert_pool_whole(engine)
+
+
+def test_blocks_of_a_request_finished_mid_flight_wait_for_its_step(
+    make_engine: EngineFactory,
+) -> None:
+    """An abort while the request's next step is in flight takes it off its blocks at once
+    (its id is free to use again) but gives them back to the pool only when that step is
+    read; a preemption in the same position waits for the step instead (tiny-pool test
+    above)."""
+    engine = make_engine(async_scheduling=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", PROMPTS["r3"], params)
+    engine.add_request("b", PROMPTS["r4"], params)
+    for _ in range(3):
+        engine.step_delta()
+    pool, overlap = engine.kv_cache.pool, engine.overlap
+    assert overlap is not None and overlap.inflight is not None
+    free = pool.num_free_blocks
+    blocks = list(engine.kv_cache.block_table("a"))
+    engine.abort("a")
+    assert engine.kv_cache.num_requests() == 1  # "a" holds nothing any more...
+    assert pool.num_free_blocks == free  # ...but its blocks wait for the step in flight
+    assert [block for _, held in overlap._held for block in held] == blocks
+    engine.add_request("a", PROMPTS["r0"], params)  # the id is free again
+    engine.step_delta()  # reads the step that used them
+    assert overlap._held == []
+    for rid in ("a", "b"):
+        engine.abort(rid)
     assert_pool_whole(engine)
