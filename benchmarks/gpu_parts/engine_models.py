@@ -249,6 +249,7 @@ def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 COUNTER_NAMES = (
     "cuda_decode_calls",
+    "triton_decode_calls",  # the decode dispatch's other kernel (newer: absent from older COUNTERS)
     "triton_prefill_calls",
     "graph_replays",
     "graph_captures",

@@ -297,6 +297,9 @@ def test_counter_rows_need_the_decode_kernel_and_graph_replays(
     assert [r.status for r in ran] == ["PASS", "PASS"]
     eager = engine.counter_rows("135M", {"cuda_decode_calls": 0, "graph_replays": 0}, True)
     assert [r.status for r in eager] == ["FAIL", "FAIL"]
+    # Every decode given to Triton by the dispatch: the kernel row still passes.
+    triton = {"cuda_decode_calls": 0, "triton_decode_calls": 30, "graph_replays": 12}
+    assert [r.status for r in engine.counter_rows("135M", triton, True)] == ["PASS", "PASS"]
     assert [r.status for r in engine.counter_rows("135M", {}, True)] == ["SKIP", "SKIP"]
     assert [r.status for r in engine.counter_rows("135M", {}, False)] == ["SKIP", "SKIP"]
 
@@ -317,7 +320,8 @@ def test_the_profiler_row_runs_decode_steps_and_reads_kernel_names(
     row = engine_part.profiler_row("135M", engine, hf.config.vocab_size)
     assert row.status in ("FAIL", "SKIP"), row
     if row.status == "FAIL":
-        assert row.value == "paged_decode kernels 0, graph launches 0 in 5 steps"
+        expected = "paged_decode kernels 0, Triton attention kernels 0, graph launches 0"
+        assert row.value == f"{expected} in 5 steps"
     assert not engine.has_unfinished_requests()
     ms = engine_part.step_ms(engine, 2, hf.config.vocab_size, steps=3)
     assert ms > 0 and not engine.has_unfinished_requests()
