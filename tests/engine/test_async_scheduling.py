@@ -288,3 +288,29 @@ def test_blocks_of_a_request_finished_mid_flight_wait_for_its_step(
     for rid in ("a", "b"):
         engine.abort(rid)
     assert_pool_whole(engine)
+
+
+def test_the_flag_and_its_default(make_engine: EngineFactory) -> None:
+    """`--async-scheduling/--no-async-scheduling` reach EngineArgs; unset, it is on for CUDA
+    and off on the CPU (nothing to overlap there), and off with a log line on a prefill
+    engine; asked for there, it is refused at parse time."""
+    import argparse
+    import dataclasses
+
+    from kvrelay.engine.args import EngineArgs
+    from kvrelay.engine.async_step import async_enabled
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    for argv, value in (([], None), (["--async-scheduling"], True),
+                        (["--no-async-scheduling"], False)):  # fmt: skip
+        assert EngineArgs.from_cli_args(parser.parse_args(argv)).async_scheduling is value
+    with pytest.raises(ValueError, match="prefill engine"):
+        EngineArgs(async_scheduling=True, role="prefill")
+    config = make_engine().config
+    assert config.async_scheduling is None and not async_enabled(config)
+    on_cuda = dataclasses.replace(config, device="cuda:1")
+    assert async_enabled(on_cuda)
+    assert not async_enabled(dataclasses.replace(on_cuda, async_scheduling=False))
+    assert not async_enabled(dataclasses.replace(on_cuda, role="prefill"))
+    assert async_enabled(dataclasses.replace(config, async_scheduling=True))
