@@ -10,7 +10,7 @@ import pytest
 
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
-from tests.engine.conftest import EngineFactory, assert_pool_whole
+from tests.engine.conftest import EngineFactory, assert_pool_whole, run_to_completion
 
 PROMPTS = {f"r{i}": [3 + (7 * i + j) % 120 for j in range(4 + 5 * i)] for i in range(6)}
 
@@ -314,3 +314,26 @@ def test_the_flag_and_its_default(make_engine: EngineFactory) -> None:
     assert not async_enabled(dataclasses.replace(on_cuda, async_scheduling=False))
     assert not async_enabled(dataclasses.replace(on_cuda, role="prefill"))
     assert async_enabled(dataclasses.replace(config, async_scheduling=True))
+
+
+@pytest.mark.parametrize("num_blocks", [24, 64])
+def test_the_accelerator_paths_feed_the_right_tokens(
+    make_engine: EngineFactory, num_blocks: int
+) -> None:
+    """The runner's accelerator paths on the CPU, with real values (test_decode_path.py's
+    stand-ins: one staged upload, the persistent block table, a "graph" that runs the model
+    on exactly the tensors a graph would read): with async scheduling, every input id that
+    is fed on the device from the last step's tokens is the token the synchronous host path
+    uses, through chunked prefills, forks, preemptions (24 blocks), prefix-cache hits and
+    requests stopping mid-batch."""
+    from tests.engine.test_decode_path import _decode_path, _requests
+
+    reference = make_engine(num_blocks=num_blocks, max_num_batched_tokens=16)
+    _requests(reference)
+    expected = run_to_completion(reference)
+    engine = make_engine(num_blocks=num_blocks, max_num_batched_tokens=16, async_scheduling=True)
+    graphs = _decode_path(engine)
+    _requests(engine)
+    assert run_to_completion(engine) == expected
+    assert graphs.replays > 5 and engine.overlap is not None and engine.overlap.launched > 10
+    assert_pool_whole(engine)
