@@ -96,7 +96,8 @@ class Overlap:
         self._held: list[tuple[int, list[int]]] = []  # (last step using them, blocks)
         self._buffers: list[torch.Tensor | None] = [None, None]  # host copies, by parity
         self._events: list[Any] = [None, None]  # each buffer's copy's event
-        self._checked: list[Request] = []  # `running` when it was last found host-free
+        # `running` and `waiting` when each was last found free of host-bound requests.
+        self._checked: list[list[Request]] = [[], []]
         self._updates: list[Any] = []  # chunks launched, counted computed after the read
         scheduler.fence = self
 
@@ -171,13 +172,14 @@ class Overlap:
         """Whether the next step may be launched before the last one is read: no request
         that needs the host between steps (Request.host_bound), no samples about to fork."""
         scheduler = self.scheduler
-        if scheduler.forking or any(r.host_bound for r in scheduler.waiting):
+        if scheduler.forking:
             return False
-        running = scheduler.running
-        if running != self._checked:  # by identity, in C: a steady batch costs one compare
-            if any(r.host_bound for r in running):
-                return False
-            self._checked = running[:]
+        for index, requests in enumerate((scheduler.running, scheduler.waiting)):
+            # By identity, in C: a steady batch (and queue) costs one list compare a step.
+            if requests != self._checked[index]:
+                if any(r.host_bound for r in requests):
+                    return False
+                self._checked[index] = requests[:]
         return True
 
     def _launch(
