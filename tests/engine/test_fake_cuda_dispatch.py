@@ -14,9 +14,8 @@ import torch
 from kvrelay_kernels import decode_dispatch
 from kvrelay_kernels.decode_dispatch import DecodeShape, choose_table
 from tests.fake_cuda.report import run_scenarios
-from tests.fake_cuda.scenarios import SAMPLED
+from tests.fake_cuda.scenarios import finished_run
 
-REQUESTS = {"short", "penalised", "long", "pair"}
 LAUNCH_OF = {"cuda": "decode", "triton": "triton_decode"}  # the stand-ins' log names
 GRAPH_SIZES = [1, 2, 4, 8]  # scenarios.MAX_NUM_SEQS = 8
 
@@ -31,17 +30,6 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "tests.fake_cuda.dispatch_scenarios",
         tmp_path_factory.mktemp("fake-cuda-dispatch") / "report.json",
     )
-
-
-def finished_run(report: dict[str, Any], name: str) -> dict[str, Any]:
-    """A scenario's run, after checking it kept the rules and finished every request whole."""
-    part = report[name]
-    assert "error" not in part, part["error"]
-    assert part["violations"] == [], part["violations"]
-    result: dict[str, Any] = part["result"]
-    assert result["aborted"] == [] and result["pool_whole"]
-    assert result["finished"] == {rid: [SAMPLED] * 6 for rid in REQUESTS}
-    return result
 
 
 def paired_launches(result: dict[str, Any]) -> list[tuple[dict[str, Any], str, int]]:

@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from tests.fake_cuda.report import run_scenarios
-from tests.fake_cuda.scenarios import SAMPLED
-
-REQUESTS = {"short", "penalised", "long", "pair"}
+from tests.fake_cuda.scenarios import finished_run
 
 pytestmark = pytest.mark.skipif(
     torch.backends.cuda.is_built(), reason="fake CUDA needs a CPU-only torch (GPU tests cover it)"
@@ -28,17 +26,6 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "tests.fake_cuda.family_scenarios",
         tmp_path_factory.mktemp("fake-cuda-families") / "report.json",
     )
-
-
-def finished_run(report: dict[str, Any], name: str) -> dict[str, Any]:
-    """A scenario's run, after checking it kept the rules and finished every request whole."""
-    part = report[name]
-    assert "error" not in part, part["error"]
-    assert part["violations"] == [], part["violations"]
-    result: dict[str, Any] = part["result"]
-    assert result["aborted"] == [] and result["pool_whole"]
-    assert result["finished"] == {rid: [SAMPLED] * 6 for rid in REQUESTS}
-    return result
 
 
 def kernels_run(result: dict[str, Any]) -> set[str]:

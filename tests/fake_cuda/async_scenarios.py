@@ -10,23 +10,21 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
 from kvrelay_kernels.counters import COUNTERS
-from tests.fake_cuda import kernels, runtime
+from tests.fake_cuda import runtime
 from tests.fake_cuda.mode import FakeCudaMode
 from tests.fake_cuda.scenarios import (
     SAMPLED,
     fake_sampling,
+    install_rig,
     make_engine,
-    patch_loading,
+    run_one,
     write_model,
 )
 from tests.fake_cuda.timeline import Timeline, watch
@@ -82,11 +80,7 @@ def scenario_overlap(model: Path, mode: FakeCudaMode, **overrides: Any) -> dict[
 
 
 def main(out: Path) -> None:
-    monkeypatch = pytest.MonkeyPatch()
-    mode = FakeCudaMode()
-    runtime.install(monkeypatch, mode)
-    kernels.install(monkeypatch)
-    patch_loading(monkeypatch)
+    mode = install_rig()
     hd64 = write_model(out.parent / "llama-hd64", 64)
     scenarios: dict[str, Callable[[], Any]] = {
         "graphs": lambda: scenario_overlap(hd64, mode),
@@ -95,14 +89,8 @@ def main(out: Path) -> None:
     results: dict[str, Any] = {}
     with mode:
         for name, run in scenarios.items():
-            runtime.LOG.__init__()  # type: ignore[misc]
-            mode.violations.clear()
             replays = COUNTERS.graph_replays
-            try:
-                results[name] = {"result": run()}
-            except Exception:  # reported: the test fails on it
-                results[name] = {"error": traceback.format_exc()}
-            results[name]["violations"] = list(mode.violations)
+            results[name] = run_one(mode, run)
             results[name]["graph_replays"] = COUNTERS.graph_replays - replays
     out.write_text(json.dumps(results, indent=1))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,9 @@ from tests.fake_cuda.mode import FakeCudaMode
 from tests.fake_cuda.scenarios import (
     add_mixed_requests,
     fake_sampling,
+    install_rig,
     make_engine,
-    patch_loading,
+    run_one,
     run_steps,
     write_model,
 )
@@ -145,11 +145,7 @@ def scenario_bad_pin(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
 
 
 def main(out: Path) -> None:
-    monkeypatch = pytest.MonkeyPatch()
-    mode = FakeCudaMode()
-    runtime.install(monkeypatch, mode)
-    kernels.install(monkeypatch)
-    patch_loading(monkeypatch)
+    mode = install_rig()
     hd64 = write_model(out.parent / "llama-hd64", 64)
     scenarios: dict[str, Callable[[], Any]] = {
         "pinned_cuda": lambda: scenario_pinned(hd64, mode, "cuda"),
@@ -163,15 +159,8 @@ def main(out: Path) -> None:
     with mode:
         for name, run in scenarios.items():
             decode_dispatch.clear()
-            kernels.LOG.calls.clear()
-            runtime.LOG.__init__()  # type: ignore[misc]
-            mode.violations.clear()
             before = COUNTERS.as_dict()
-            try:
-                results[name] = {"result": run()}
-            except Exception:  # reported: the test fails on it
-                results[name] = {"error": traceback.format_exc()}
-            results[name]["violations"] = list(mode.violations)
+            results[name] = run_one(mode, run)
             results[name]["counters"] = {k: v - before[k] for k, v in COUNTERS.as_dict().items()}
             results[name]["runtime"] = {
                 "graph_captures": runtime.LOG.graph_captures,

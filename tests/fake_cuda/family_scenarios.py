@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kvrelay_kernels import select_backend
-from tests.fake_cuda import kernels, runtime
 from tests.fake_cuda.mode import FakeCudaMode
 from tests.fake_cuda.scenarios import (
     add_mixed_requests,
     fake_sampling,
+    install_rig,
     make_engine,
-    patch_loading,
+    run_one,
     run_steps,
 )
 from tests.hf_checkpoints import make_checkpoint
@@ -81,11 +78,7 @@ def scenario_auto(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
 
 
 def main(out: Path) -> None:
-    monkeypatch = pytest.MonkeyPatch()
-    mode = FakeCudaMode()
-    runtime.install(monkeypatch, mode)
-    kernels.install(monkeypatch)
-    patch_loading(monkeypatch)
+    mode = install_rig()
     folder = out.parent
     qwen3, gemma2, gemma3 = folder / "qwen3", folder / "gemma2", folder / "gemma3"
     make_checkpoint(qwen3, "qwen3", SHAPE)
@@ -101,14 +94,7 @@ def main(out: Path) -> None:
     results: dict[str, Any] = {}
     with mode:
         for name, run in scenarios.items():
-            kernels.LOG.calls.clear()
-            runtime.LOG.__init__()  # type: ignore[misc]
-            mode.violations.clear()
-            try:
-                results[name] = {"result": run()}
-            except Exception:  # reported: the test fails on it
-                results[name] = {"error": traceback.format_exc()}
-            results[name]["violations"] = list(mode.violations)
+            results[name] = run_one(mode, run)
     out.write_text(json.dumps(results, indent=1))
 
 

@@ -302,12 +302,51 @@ def scenario_rules(model: Path, mode: FakeCudaMode) -> dict[str, str]:
     return caught
 
 
-def main(out: Path) -> None:
+# add_mixed_requests' requests: each finishes with 6 tokens (min_tokens 2, max_tokens 6).
+MIXED_REQUESTS = frozenset({"short", "penalised", "long", "pair"})
+
+
+def install_rig() -> FakeCudaMode:
+    """The rig in this process (fake CUDA runtime and kernels, model loading onto the fake
+    device), never undone: each scenario module runs in a process of its own. Returns the
+    mode to run the scenarios in."""
     monkeypatch = pytest.MonkeyPatch()
     mode = FakeCudaMode()
     runtime.install(monkeypatch, mode)
     kernels.install(monkeypatch)
     patch_loading(monkeypatch)
+    return mode
+
+
+def run_one(mode: FakeCudaMode, run: Callable[[], Any]) -> dict[str, Any]:
+    """One scenario, the kernel and runtime logs and the rule violations cleared first: its
+    result (or the traceback the test fails on) and the rules it broke."""
+    kernels.LOG.calls.clear()
+    kernels.LOG.decode_splits.clear()
+    runtime.LOG.__init__()  # type: ignore[misc]
+    mode.violations.clear()
+    try:
+        part: dict[str, Any] = {"result": run()}
+    except Exception:  # reported: the test fails on it
+        part = {"error": traceback.format_exc()}
+    part["violations"] = list(mode.violations)
+    return part
+
+
+def finished_run(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """A scenario's run of add_mixed_requests, after checking it kept the rules and finished
+    every request whole (for the tests that read the report)."""
+    part = report[name]
+    assert "error" not in part, part["error"]
+    assert part["violations"] == [], part["violations"]
+    result: dict[str, Any] = part["result"]
+    assert result["aborted"] == [] and result["pool_whole"]
+    assert result["finished"] == {rid: [SAMPLED] * 6 for rid in MIXED_REQUESTS}
+    return result
+
+
+def main(out: Path) -> None:
+    mode = install_rig()
     folder = out.parent
     hd64 = write_model(folder / "llama-hd64", 64)
     hd32 = write_model(folder / "llama-hd32", 32)
@@ -332,16 +371,8 @@ def main(out: Path) -> None:
     results: dict[str, Any] = {}
     with mode:
         for name, run in scenarios.items():
-            kernels.LOG.calls.clear()
-            kernels.LOG.decode_splits.clear()
-            runtime.LOG.__init__()  # type: ignore[misc]
-            mode.violations.clear()
             counters_before = asdict(COUNTERS)
-            try:
-                results[name] = {"result": run()}
-            except Exception:  # reported: the test fails on it
-                results[name] = {"error": traceback.format_exc()}
-            results[name]["violations"] = list(mode.violations)
+            results[name] = run_one(mode, run)
             results[name]["counters"] = {
                 k: v - counters_before[k] for k, v in asdict(COUNTERS).items()
             }
