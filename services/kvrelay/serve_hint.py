@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from kvrelay.common.env import CORE_SHARE
 
 # At or below this many cores P/D's workers split the cores between them (`kvrelay serve`
-# gives each worker cores // workers threads), so one request's prefill or decode runs on
-# half the machine while the other half waits: the case the measurement below is about.
+# gives each worker cores // workers threads; its prefill worker borrows the idle ones, see
+# worker/core_share.py) and colocated's one team is stalled by any other process: the case the
+# measurement below is about.
 SMALL_MACHINE_CORES = 4
 DOCS = "docs/benchmarks.md, 'P/D or colocated on a small machine'"
 
@@ -31,15 +32,16 @@ class ModeMeasurement:
         return min(self.tok_s.values()) > 1.0
 
 
-# benchmarks/results/2026-12-05_serve_compare_epyc.md (16:35-16:42 UTC, commit cb81fbe): P/D
-# 78.7 / 239.7 / 412.2 tok/s, colocated 47.2 / 54.6 / 119.2; TTFT p50 @1 187 vs 102 ms; ITL p99
-# @16 48 vs 1198 ms. Colocated's one worker runs a 2-thread OpenMP team, which any other work
-# on the 2 cores stalls at every barrier; P/D's two 1-thread workers just get less CPU.
+# benchmarks/results/2026-12-05_serve_compare_epyc_cores.md (19:40-19:45 UTC, commit 1f1c8e9,
+# the cores shared by step: worker/core_share.py): P/D 76.5 / 219.1 / 366.7 tok/s, colocated
+# 57.8 / 193.4 / 397.1; TTFT p50 @1 155 vs 131 ms; ITL p99 @16 58 vs 316 ms. Colocated's team
+# now sleeps at barriers and no longer collapses beside other work (16:35's run: 0.23-0.60x P/D
+# at load 3-4), but it leads only at 16 streams, at 5.4x P/D's tail latency.
 MEASURED = ModeMeasurement(
-    where="bf16 on a 2-core AMD EPYC, Zen 4, no AMX, load 3-4, 2026-12-05",
-    tok_s={1: 47.2 / 78.7, 4: 54.6 / 239.7, 16: 119.2 / 412.2},
-    ttft_1=102 / 187,
-    itl_p99_top=1198 / 48,
+    where="bf16 on a 2-core AMD EPYC, Zen 4, no AMX, load 0.1-1.9, 2026-12-05",
+    tok_s={1: 57.8 / 76.5, 4: 193.4 / 219.1, 16: 397.1 / 366.7},
+    ttft_1=131 / 155,
+    itl_p99_top=316 / 58,
 )
 
 
@@ -73,8 +75,8 @@ def sharing_line(cores: int, share: int) -> str:
     """The line for P/D workers that share their cores step by step."""
     return (
         f"kvrelay: cores shared step by step: the prefill worker runs a prompt on all {cores} "
-        f"cores while the decode worker has nothing running, on its {share} while it has "
-        f"({CORE_SHARE.name}=off: {share} each always)"
+        f"cores while the decode worker has nothing running and no other process runs, on its "
+        f"{share} otherwise ({CORE_SHARE.name}=off: {share} each always)"
     )
 
 
