@@ -176,7 +176,12 @@ def test_on_the_cpu_no_decode_kernel_runs_and_no_table_is_made(
 
 
 @pytest.mark.parametrize("kernel", [CUDA, TRITON])
-def test_a_pin_that_cannot_run_here_is_refused(kernel: str) -> None:
+def test_a_pin_that_cannot_run_here_is_refused(
+    kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tests/kernels/triton_interp's conftest sets TRITON_INTERPRET=1 for the whole session
+    # (Triton then "runs" on the CPU): without it, neither kernel runs here.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=f"KVRELAY_DECODE_ATTENTION={kernel}, but the {kernel}"):
         decode_timing.prepare(cache(), 4, environ={DECODE_ATTENTION.name: kernel})
 
