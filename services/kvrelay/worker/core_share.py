@@ -247,6 +247,8 @@ def running_besides_caller(samples: int = 3, gap_s: float = 0.0003) -> int:
             time.sleep(gap_s)
         running = _procs_running()
         fewest = running if fewest is None else min(fewest, running)
+        if fewest <= 1:
+            break  # only the caller: no later read can show fewer (a quiet check, one read)
     return max(0, (fewest or 1) - 1)
 
 
