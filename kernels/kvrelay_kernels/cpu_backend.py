@@ -1,6 +1,6 @@
-"""The `cpu` backend: KV writes and decode attention by kvrelay's C++ kernels, prefill
-attention and block copies by the torch reference. The kernels are built once on first use
-(torch cpp_extension, cached by torch).
+"""The `cpu` backend: KV writes, decode attention and prefill attention (cpu_prefill.py) by
+kvrelay's C++ kernels, block copies by the torch reference. The kernels are built once on
+first use (torch cpp_extension, cached by torch); `is_available` builds both.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvrelay_kernels import reference
+from kvrelay_kernels import cpu_prefill, reference
 from kvrelay_kernels.attention_variants import check_variants
 from kvrelay_kernels.cpu_extension import load_cpu_extension
 from kvrelay_kernels.plan import AttentionPlan, build_plan
@@ -32,6 +32,9 @@ def load_extension() -> ModuleType | None:
 
 
 def is_available() -> bool:
+    """Whether the decode kernel builds here; builds the prefill kernel too, so that a
+    server's first prompt does not wait for a compile (it falls back to the reference)."""
+    cpu_prefill.load_extension()
     return load_extension() is not None
 
 
@@ -83,13 +86,19 @@ def paged_attention(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same meaning as `reference.paged_attention` (sliding window and soft cap included);
-    decode rows go through the C++ kernel, prefill chunks through the reference."""
+    decode rows and prefill chunks each go through their C++ kernel."""
     check_variants(sliding_window, soft_cap)
     module = load_extension()
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, kv_cache.shape[3])
     kernel_takes = query.dtype in _KERNEL_DTYPES and kv_cache.dtype == query.dtype
-    if module is None or not kernel_takes or not plan.has_decodes:
+    if kernel_takes and not plan.has_decodes:  # a step of prompts only
+        out = torch.empty_like(query) if out is None else out
+        cpu_prefill.prefill_attention(
+            query, kv_cache, layer, plan, scale, out, sliding_window, soft_cap
+        )
+        return out
+    if module is None or not kernel_takes:
         return reference.paged_attention(
             query,
             kv_cache,
@@ -117,7 +126,9 @@ def paged_attention(
     if rows is None and out is None:
         return decode(decode_q)  # an all-decode step
     out = reference.place_decode_rows(query, rows, decode(decode_q), out)
-    reference.prefill_attention(query, kv_cache, layer, plan, scale, out, sliding_window, soft_cap)
+    cpu_prefill.prefill_attention(
+        query, kv_cache, layer, plan, scale, out, sliding_window, soft_cap
+    )
     return out
 
 

@@ -23,6 +23,7 @@ from kvrelay.models.quantized import int8_panels
 from kvrelay_kernels.cpu_backend import load_extension
 from kvrelay_kernels.cpu_blocked import load_blocked_ops, pack_blocks
 from kvrelay_kernels.cpu_fused import load_fused_ops
+from kvrelay_kernels.cpu_prefill import load_extension as load_prefill_extension
 from kvrelay_kernels.cpu_quantized import load_block_quant_ops, load_int8_dot_ops
 
 
@@ -96,6 +97,21 @@ def test_decode_attention_releases_the_gil() -> None:
 
     def attend() -> object:
         return ops.paged_decode_attention(q, cache, 0, tables, lens, 0.125)
+
+    assert ran_while_in_kernel(attend)
+
+
+def test_prefill_attention_releases_the_gil() -> None:
+    ops = _loaded(load_prefill_extension())
+    rows, block_size, kv_heads, heads, dim = 1024, 16, 2, 8, 64
+    cache = torch.randn(rows // block_size, 1, 2, block_size, kv_heads, dim)
+    tables = torch.arange(rows // block_size, dtype=torch.int64).view(1, -1)
+    q, out = torch.randn(rows, heads, dim), torch.empty(rows, heads, dim)
+    chunks = torch.tensor([[0, rows, rows]])
+
+    def attend() -> object:
+        ops.paged_prefill_attention(q, cache, 0, chunks, tables, 0.125, 0, 0.0, out)
+        return out
 
     assert ran_while_in_kernel(attend)
 
