@@ -29,10 +29,10 @@ from kvrelay.worker.core_share import (
     CoreBoard,
     ServeCores,
     StepThreads,
-    passive_wait,
     running_besides_caller,
     serve_board,
     sharing_enabled,
+    short_spin,
     step_threads_from_env,
     team_size,
 )
@@ -107,17 +107,17 @@ def test_serve_shares_only_with_workers_of_its_own_ray() -> None:
             decide(2, 2, False, joins_cluster=joins, environ=environ)
 
 
-def test_colocated_on_a_small_machine_gets_the_passive_wait_only() -> None:
+def test_colocated_on_a_small_machine_gets_the_short_spin_only() -> None:
     """No partner to lend it cores, but its 2-thread team is the one that stalled."""
-    assert ServeCores.decide(2, 1, True, False, {}) == ServeCores(board=False, passive=True)
-    assert ServeCores.decide(8, 1, True, False, {}) == ServeCores(board=False, passive=False)
+    assert ServeCores.decide(2, 1, True, False, {}) == ServeCores(board=False, short_spin=True)
+    assert ServeCores.decide(8, 1, True, False, {}) == ServeCores(board=False, short_spin=False)
     on = {CORE_SHARE.name: "on"}
-    assert ServeCores.decide(8, 1, True, False, on) == ServeCores(board=False, passive=True)
-    assert ServeCores.decide(8, 2, False, False, on) == ServeCores(board=True, passive=False)
+    assert ServeCores.decide(8, 1, True, False, on) == ServeCores(board=False, short_spin=True)
+    assert ServeCores.decide(8, 2, False, False, on) == ServeCores(board=True, short_spin=False)
     assert ServeCores.decide(2, 1, True, False, {CORE_SHARE.name: "off"}) == ServeCores(
         False, False
     )
-    assert passive_wait("auto", 4) and not passive_wait("auto", 5) and not passive_wait("off", 2)
+    assert short_spin("auto", 4) and not short_spin("auto", 5) and not short_spin("off", 2)
 
 
 # -- the board --
@@ -257,29 +257,29 @@ def test_no_board_no_seat(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
 
 def test_serve_board_names_the_file_for_the_workers_and_removes_it() -> None:
     environ: dict[str, str] = {"PATH": "/bin"}
-    with serve_board(ServeCores(board=True, passive=True), environ) as path:
+    with serve_board(ServeCores(board=True, short_spin=True), environ) as path:
         assert path is not None and path.stat().st_size == BOARD_BYTES
         assert environ[CORE_BOARD.name] == str(path)
-        assert environ["OMP_WAIT_POLICY"] == "PASSIVE"  # team threads sleep, not spin
+        assert environ["GOMP_SPINCOUNT"] == "1000"  # team threads spin briefly, then sleep
         assert CoreBoard(path).claim(os.getpid()) == 0
     assert not path.exists() and environ == {"PATH": "/bin"}
-    with serve_board(ServeCores(board=False, passive=True), environ) as none:
-        assert none is None and environ == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
-    with serve_board(ServeCores(board=False, passive=False), environ) as none:
+    with serve_board(ServeCores(board=False, short_spin=True), environ) as none:
+        assert none is None and environ == {"PATH": "/bin", "GOMP_SPINCOUNT": "1000"}
+    with serve_board(ServeCores(board=False, short_spin=False), environ) as none:
         assert none is None and environ == {"PATH": "/bin"}
 
 
 @pytest.mark.parametrize("theirs", [{"GOMP_SPINCOUNT": "10000"}, {"OMP_WAIT_POLICY": "ACTIVE"}])
 def test_serve_board_keeps_an_openmp_wait_set_by_the_user(theirs: dict[str, str]) -> None:
     environ = dict(theirs)
-    with serve_board(ServeCores(board=True, passive=True), environ):
+    with serve_board(ServeCores(board=True, short_spin=True), environ):
         assert environ.keys() == {*theirs, CORE_BOARD.name} and theirs.items() <= environ.items()
     assert environ == theirs
 
 
-def test_a_worker_process_started_under_the_board_sleeps_at_barriers() -> None:
+def test_a_worker_process_started_under_the_board_spins_briefly_at_barriers() -> None:
     """What the workers inherit takes effect: libgomp in a process started inside the block
-    spins 0 times before it sleeps (OMP_DISPLAY_ENV: it prints its settings as it loads),
+    spins 1,000 times before it sleeps (OMP_DISPLAY_ENV: it prints its settings as it loads),
     where one started outside spins its default 300,000."""
     skip = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
     environ = {k: v for k, v in os.environ.items() if k not in skip}
@@ -294,8 +294,8 @@ def test_a_worker_process_started_under_the_board_sleeps_at_barriers() -> None:
             pytest.skip("torch here does not load libgomp")
         return out.stderr.split("GOMP_SPINCOUNT = ")[1].split()[0]
 
-    with serve_board(ServeCores(board=False, passive=True), environ):
-        assert spin_count() == "'0'"
+    with serve_board(ServeCores(board=False, short_spin=True), environ):
+        assert spin_count() == "'1000'"
     assert spin_count() == "'300000'"
 
 

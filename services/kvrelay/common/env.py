@@ -230,7 +230,7 @@ CORE_SHARE = EnvVar(
     "by step (the prefill worker runs a step on its share plus the cores the other workers "
     "leave idle, when no other process runs: a lone prompt on all of them while the decode "
     "worker has nothing running; decode workers keep their share); a colocated worker's "
-    "OpenMP team threads sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, "
+    "OpenMP team threads spin briefly at a barrier, then sleep (`GOMP_SPINCOUNT=1000`, "
     "unless the environment sets an OpenMP wait). `auto`: on machines of at most 4 cores, "
     "when `serve` starts its own Ray; `on`: on any; `off`: neither (`worker/core_share.py`)",
 )
