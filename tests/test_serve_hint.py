@@ -66,6 +66,23 @@ def test_a_mixed_outcome_does_not_call_colocated_the_pick() -> None:
     assert "0.83-1.11x" in line  # P/D over colocated, both ways of it
 
 
+def test_a_mixed_outcome_names_where_each_mode_leads() -> None:
+    """P/D ahead at 1 stream, colocated at 4 and 16: each mode's user is told what the other
+    one gives, in the order of what they chose."""
+    mixed = ModeMeasurement("bf16 on Z, 2026-01-03", {1: 0.9, 4: 1.2, 16: 1.3}, 1.1, 5.0)
+    pd_line = small_machine_hint(2, colocated=False, measured=mixed)
+    assert pd_line is not None and pd_line.startswith(
+        "kvrelay: hint: 2 cores: P/D (the default) is the pick for latency, --colocated for "
+        "throughput at 4/16 streams; P/D served 0.77-1.11x colocated's"
+    )
+    coloc_line = small_machine_hint(2, colocated=True, measured=mixed)
+    assert coloc_line is not None and coloc_line.startswith(
+        "kvrelay: hint: 2 cores: colocated is the pick for throughput at 4/16 streams, P/D "
+        "(drop --colocated) for latency; "
+    )
+    assert mixed.colocated_ahead_at() == [4, 16] and PD_WINS.colocated_ahead_at() == []
+
+
 def test_one_ratio_for_every_stream_count_is_written_once() -> None:
     same = ModeMeasurement("w", {1: 1.2, 4: 1.2}, 0.9, 2.0)
     line = small_machine_hint(2, colocated=False, measured=same)
@@ -78,9 +95,12 @@ def test_the_shipped_measurement_names_its_cpu_and_date() -> None:
     assert all(r > 0 for r in MEASURED.tok_s.values())
     # What `make serve` (P/D) prints on this project's 2-core machines, as measured.
     line = small_machine_hint(2, colocated=False)
-    assert line is not None and line.startswith("kvrelay: hint: 2 cores: P/D (the default)")
-    assert "P/D served 0.92-1.32x colocated's output tok/s at 1/4/16 streams" in line
-    assert "TTFT p50 at 1 stream was 0.85x P/D's, its ITL p99 5.4x P/D's" in line
+    assert line is not None and line.startswith(
+        "kvrelay: hint: 2 cores: P/D (the default) is the pick for latency, --colocated for "
+        "throughput at 4/16 streams; "
+    )
+    assert "P/D served 0.83-1.07x colocated's output tok/s at 1/4/16 streams" in line
+    assert "TTFT p50 at 1 stream was 1.10x P/D's, its ITL p99 5.9x P/D's" in line
 
 
 @pytest.mark.slow

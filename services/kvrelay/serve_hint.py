@@ -31,17 +31,21 @@ class ModeMeasurement:
         """Colocated is the pick when it served more tokens at every stream count measured."""
         return min(self.tok_s.values()) > 1.0
 
+    def colocated_ahead_at(self) -> list[int]:
+        """The stream counts at which colocated served more tokens than P/D."""
+        return sorted(c for c, r in self.tok_s.items() if r > 1.0)
 
-# benchmarks/results/2026-12-05_serve_compare_epyc_cores.md (19:40-19:45 UTC, commit 1f1c8e9,
-# the cores shared by step: worker/core_share.py): P/D 76.5 / 219.1 / 366.7 tok/s, colocated
-# 57.8 / 193.4 / 397.1; TTFT p50 @1 155 vs 131 ms; ITL p99 @16 58 vs 316 ms. Colocated's team
-# now sleeps at barriers and no longer collapses beside other work (16:35's run: 0.23-0.60x P/D
-# at load 3-4), but it leads only at 16 streams, at 5.4x P/D's tail latency.
+
+# benchmarks/results/2026-12-05_serve_compare_epyc_prefill_kernel.md, the 22:39 run (commit
+# c55a78b: the C++ prefill attention, colocated's team spinning 1,000 times before it sleeps):
+# P/D 83.1 / 227.1 / 402.6 tok/s, colocated 78.0 / 270.9 / 485.9; TTFT p50 @1 101 vs 111 ms;
+# ITL p99 @16 48 vs 282 ms. (The 22:27 run had colocated ahead at every count, 1.05-1.21x.)
+# Colocated leads at 4 and 16 streams, P/D at 1 and in tail latency.
 MEASURED = ModeMeasurement(
-    where="bf16 on a 2-core AMD EPYC, Zen 4, no AMX, load 0.1-1.9, 2026-12-05",
-    tok_s={1: 57.8 / 76.5, 4: 193.4 / 219.1, 16: 397.1 / 366.7},
-    ttft_1=131 / 155,
-    itl_p99_top=316 / 58,
+    where="bf16 on a 2-core AMD EPYC, Zen 4, no AMX, quiet, 2026-12-05",
+    tok_s={1: 78.0 / 83.1, 4: 270.9 / 227.1, 16: 485.9 / 402.6},
+    ttft_1=111 / 101,
+    itl_p99_top=282 / 48,
 )
 
 
@@ -94,5 +98,19 @@ def _pick_line(cores: int, colocated: bool, measured: ModeMeasurement) -> str:
         pd_over_colocated = {c: 1.0 / r for c, r in measured.tok_s.items()}
         served = _ratios(pd_over_colocated, "colocated's")
         verdict = f"P/D served {served}; {latency}"
-        advice = "P/D (the default) is the pick here" if not colocated else "drop --colocated"
+        advice = _pd_advice(colocated, measured.colocated_ahead_at())
     return f"kvrelay: hint: {cores} cores: {advice}; {verdict} ({measured.where}); see {DOCS}"
+
+
+def _pd_advice(colocated: bool, colocated_ahead_at: list[int]) -> str:
+    """Where P/D served more at some stream count: P/D for latency, and colocated for the
+    stream counts where it served more, if any."""
+    if not colocated_ahead_at:
+        return "P/D (the default) is the pick here" if not colocated else "drop --colocated"
+    where = "/".join(map(str, colocated_ahead_at))
+    if colocated:
+        throughput = f"colocated is the pick for throughput at {where} streams"
+        return f"{throughput}, P/D (drop --colocated) for latency"
+    return (
+        f"P/D (the default) is the pick for latency, --colocated for throughput at {where} streams"
+    )
