@@ -62,8 +62,6 @@ inline vfloat load(const c10::BFloat16* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
-inline vfloat splat(float x) { return vfloat{} + x; }
-
 struct Shape {
   int64_t num_heads, head_dim, kv_heads, group, block_size, max_blocks;
   int64_t token_stride, kv_stride, block_stride, layer_offset;
@@ -209,8 +207,8 @@ struct Tile {
   int64_t chunk, head, r0, rows, g0, heads;  // rows [r0, r0+rows) x query heads [g0, g0+heads)
 };
 
-// One tile: its queries (scaled) in, its keys 16 at a time from the first any of them sees
-// to the last, its outputs written.
+// One tile: its queries (scaled) in, its keys a 64-key block at a time (scored 16 at a time)
+// from the first any of them sees to the last, its outputs written.
 template <typename T>
 void attend(const Shape& s, const Tile& t, const Chunk& c, const T* q, const T* cache,
             const int64_t* table, float scale, int64_t window, float cap, T* out, Scratch& w) {
