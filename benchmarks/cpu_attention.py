@@ -42,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--shapes", default="1x256,16x256,16x1024", help="SEQSxCONTEXT,... (default: %(default)s)")
+    add_case_args(parser)
+    add("--layers", type=int, default=30, help="layers in the cache, swept per timed call")
+    add("--sliding-window", type=int, default=None, help="keys each decode sees (default: all)")
+    add("--soft-cap", type=float, default=None, help="attention-logit soft cap (default: none)")
+    return parser
+
+
+def add_case_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every CPU attention benchmark takes (this one, cpu_prefill_attention.py):
+    dtypes, repeats, threads and the head shape, the default model's by default."""
+    add = parser.add_argument
     add("--dtypes", default="float32,bfloat16", help="comma-separated (default: %(default)s)")
     add("--repeats", type=int, default=15, help="timed calls per case (median)")
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -49,10 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--group", type=int, default=3, help="query heads per KV head")
     add("--head-dim", type=int, default=64)
     add("--block-size", type=int, default=16)
-    add("--layers", type=int, default=30, help="layers in the cache, swept per timed call")
-    add("--sliding-window", type=int, default=None, help="keys each decode sees (default: all)")
-    add("--soft-cap", type=float, default=None, help="attention-logit soft cap (default: none)")
-    return parser
 
 
 def check_variants(args: argparse.Namespace) -> None:

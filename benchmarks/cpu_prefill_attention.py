@@ -14,18 +14,18 @@ CONTEXT - PROMPT computed tokens (chunked prefill, a cached prefix).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernels.paged_batch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_attention, run or loaded
 
 from tests.kernels.paged_batch import make_paged_batch
 
+from cpu_attention import add_case_args, median_us
 from kvrelay_kernels import build_plan, cpu_prefill, reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--shapes", default="128,512,128x640", help="PROMPT[xCONTEXT],... (default: %(default)s)")
-    add("--dtypes", default="float32,bfloat16", help="comma-separated (default: %(default)s)")
-    add("--repeats", type=int, default=15, help="timed calls per case (median)")
-    add("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    add("--kv-heads", type=int, default=3)
-    add("--group", type=int, default=3, help="query heads per KV head")
-    add("--head-dim", type=int, default=64)
-    add("--block-size", type=int, default=16)
+    add_case_args(parser)
     add("--layers", type=int, default=30, help="layers the prefill's total counts")
     return parser
 
@@ -60,16 +54,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             )
         shapes.append((int(rows), int(context)))
     return shapes
-
-
-def median_us(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (and the kernel's build on its first call)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def measure(args: argparse.Namespace, rows: int, context: int, dtype: torch.dtype) -> str:

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,40 +28,13 @@
 
 namespace {
 
-typedef float vfloat __attribute__((vector_size(64)));  // 16 fp32 lanes
-typedef uint16_t vhalf __attribute__((vector_size(32)));
-typedef uint32_t vword __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+using namespace kvrelay_vec16;  // vfloat, kLanes, widen, load, store
+
 constexpr int64_t kKeys = 16;     // keys per score tile: one vector of scores per query
 constexpr int64_t kBlock = 64;    // keys per softmax step (its per-query work shared by 64)
 constexpr int64_t kQueries = 16;  // query vectors per tile (rows x heads of one KV head)
 constexpr float kNoScore = -3.0e38f;  // finite stand-in for -inf (fast-math builds)
 constexpr float kMinExponent = -80.f;  // exp(-80) is a normal float; its weight is nil
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vfloat load(const c10::BFloat16* p) {
-  vhalf h;
-  std::memcpy(&h, p, sizeof h);
-  const vword w = __builtin_convertvector(h, vword) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 struct Shape {
   int64_t num_heads, head_dim, kv_heads, group, block_size, max_blocks;
