@@ -22,6 +22,7 @@ LOADERS = (
     ("kvrelay_kernels.cpu_backend", "load_extension"),
     ("kvrelay_kernels.cpu_blocked", "load_blocked_ops"),
     ("kvrelay_kernels.cpu_fused", "load_fused_ops"),
+    ("kvrelay_kernels.cpu_prefill", "load_extension"),
     ("kvrelay_kernels.cpu_quantized", "load_block_quant_ops"),
     ("kvrelay_kernels.cpu_quantized", "load_int8_dot_ops"),
     ("kvrelay_kernels.cpu_stack", "load_stack_ops"),
