@@ -29,10 +29,10 @@ from kvrelay.worker.core_share import (
     CoreBoard,
     ServeCores,
     StepThreads,
+    core_share_applies,
     running_besides_caller,
     serve_board,
     sharing_enabled,
-    short_spin,
     step_threads_from_env,
     team_size,
 )
@@ -117,7 +117,8 @@ def test_colocated_on_a_small_machine_gets_the_short_spin_only() -> None:
     assert ServeCores.decide(2, 1, True, False, {CORE_SHARE.name: "off"}) == ServeCores(
         False, False
     )
-    assert short_spin("auto", 4) and not short_spin("auto", 5) and not short_spin("off", 2)
+    assert core_share_applies("auto", 4) and not core_share_applies("auto", 5)
+    assert not core_share_applies("off", 2)
 
 
 # -- the board --

@@ -88,14 +88,14 @@ def sharing_enabled(choice: str, cores: int, workers: int, colocated: bool) -> b
     most SMALL_MACHINE_CORES cores running P/D (colocated has no partner to lend it cores)."""
     if choice == "off" or colocated or workers < 2:
         return False
-    return short_spin(choice, cores)
+    return core_share_applies(choice, cores)
 
 
-def short_spin(choice: str, cores: int) -> bool:
-    """Whether a colocated `kvrelay serve`'s workers get WAIT_ENV: `on`, or `auto` on a
-    machine of at most SMALL_MACHINE_CORES cores, where any other process takes a core a
-    team thread needs (a colocated 2-thread team spinning the default stalled at every
-    barrier)."""
+def core_share_applies(choice: str, cores: int) -> bool:
+    """Whether $KVRELAY_CORE_SHARE (`choice`) applies on a machine of `cores` cores: `on`, or
+    `auto` on one of at most SMALL_MACHINE_CORES cores, where any other process takes a core a
+    team thread needs (P/D's prefill worker ran a lone prompt on a fraction of an idle
+    machine; a colocated 2-thread team spinning libgomp's default stalled at every barrier)."""
     if choice not in CHOICES:
         raise ValueError(f"{CORE_SHARE.name}={choice!r}: use one of {', '.join(CHOICES)}")
     return choice == "on" or (choice == "auto" and cores <= SMALL_MACHINE_CORES)
@@ -119,11 +119,11 @@ class ServeCores:
         not inherit serve's environment there, nor need to share its machine)."""
         choice = CORE_SHARE.get(environ) or CORE_SHARE.default
         if joins_cluster:
-            short_spin(choice, cores)  # a bad value is refused all the same
+            core_share_applies(choice, cores)  # a bad value is refused all the same
             return cls(board=False, short_spin=False)
         return cls(
             board=sharing_enabled(choice, cores, workers, colocated),
-            short_spin=short_spin(choice, cores) and colocated,
+            short_spin=core_share_applies(choice, cores) and colocated,
         )
 
 
