@@ -363,25 +363,10 @@ def phases(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> None:
     """Where a decode step's host time goes, to stderr: `steps` more steps with the step's
     parts timed on `host_clock` (batch-level calls only, so the timing costs ~20 us a step).
     Nested parts are indented; "other" is a part's time outside the parts listed in it."""
-    from kvrelay.engine import runner as runner_module
-
     clock = host_clock(rig)
     spent: dict[str, float] = collections.defaultdict(float)  # host seconds by part
     calls: dict[str, int] = collections.defaultdict(int)  # device ops by part
-    runner, scheduler = engine.runner, engine.scheduler
-    parts = {  # name: (object, attribute); the name's dots say what it is inside of
-        "step": (engine, STEP_METHOD[api]),
-        "step.expire_leases": (engine.handoff, "expire_leases"),
-        "step.schedule": (scheduler, "schedule"),
-        "step.execute": (engine, "_execute"),
-        # A pure decode step (what is timed here) takes the runner's decode path.
-        "step.execute.runner": (runner, "execute_decodes"),
-        "step.execute.runner.upload": (runner.uploader, "upload_decodes"),
-        "step.execute.runner.replay": (runner.graphs, "replay"),
-        "step.execute.runner.compute_logits": (runner.model, "compute_logits"),
-        "step.execute.runner.sample": (runner_module, "sample_isolating"),
-        "step.execute.update_after_step": (scheduler, "update_after_step"),
-    }
+    parts = phase_parts(engine, api)
 
     def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -407,6 +392,42 @@ def phases(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> None:
         finally:
             gc.enable()
     print_parts(list(parts), spent, calls, steps)
+
+
+def phase_parts(engine: Engine, api: str) -> dict[str, tuple[Any, str]]:
+    """The step's parts `phases` times: name -> (object, attribute), each name's dots
+    saying what it is inside of."""
+    from kvrelay.engine import engine as engine_module
+    from kvrelay.engine import runner as runner_module
+
+    runner, scheduler, overlap = engine.runner, engine.scheduler, engine.overlap
+    # With async scheduling the step launches the next batch (`_launch`, which runs
+    # `_execute`), reads the one in flight, and counts the launched chunks computed after
+    # the outputs (`after_outputs`, which runs `update_after_step`).
+    run = "step.execute" if overlap is None else "step.launch.execute"
+    parts = {  # name: (object, attribute); the name's dots say what it is inside of
+        "step": (engine, STEP_METHOD[api]),
+        "step.expire_leases": (engine.handoff, "expire_leases"),
+        "step.schedule": (scheduler, "schedule"),
+        **({} if overlap is None else {"step.launch": (overlap, "_launch")}),
+        run: (engine, "_execute"),
+        # A pure decode step (what is timed here) takes the runner's decode path.
+        f"{run}.runner": (runner, "execute_decodes"),
+        f"{run}.runner.upload": (runner.uploader, "upload_decodes"),
+        f"{run}.runner.replay": (runner.graphs, "replay"),
+        f"{run}.runner.compute_logits": (runner.model, "compute_logits"),
+        f"{run}.runner.sample": (runner_module, "sample_isolating"),
+        f"{run}.runner.sample_on_device": (runner.sampler, "sample_on_device"),
+    }
+    if overlap is None:
+        parts["step.execute.update_after_step"] = (scheduler, "update_after_step")
+    else:
+        parts["step.read"] = (overlap, "_read")
+    parts["step.append_sampled"] = (engine_module, "append_sampled")
+    if overlap is not None:
+        parts["step.after_outputs"] = (overlap, "after_outputs")
+        parts["step.after_outputs.update_after_step"] = (scheduler, "update_after_step")
+    return parts
 
 
 def print_parts(
