@@ -73,11 +73,8 @@ def test_tokens_equal_the_synchronous_engine(make_engine: EngineFactory) -> None
     assert sync["r5"] == [[sync["r5"][0][0]]] and len(sync["r0"][0]) == 9
 
 
-def test_stop_tokens_that_end_requests_mid_batch_emit_nothing_after(
-    make_engine: EngineFactory,
-) -> None:
-    """Every request stops on a token many of them sample (the tiny model's favourites):
-    each ends at its first stop token, nothing after it, as without overlap."""
+def _favourites(make_engine: EngineFactory, count: int = 3) -> list[int]:
+    """The tokens that the most prompts sample greedily (the tiny model's favourites)."""
     probe = make_engine(async_scheduling=False)
     for rid, prompt in PROMPTS.items():
         probe.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=30))
@@ -85,7 +82,15 @@ def test_stop_tokens_that_end_requests_mid_batch_emit_nothing_after(
     for tokens in _finals(probe).values():
         for t in set(tokens[0]):
             common[t] = common.get(t, 0) + 1
-    stops = sorted(common, key=lambda t: -common[t])[:3]
+    return sorted(common, key=lambda t: -common[t])[:count]
+
+
+def test_stop_tokens_that_end_requests_mid_batch_emit_nothing_after(
+    make_engine: EngineFactory,
+) -> None:
+    """Every request stops on a token many of them sample (the tiny model's favourites):
+    each ends at its first stop token, nothing after it, as without overlap."""
+    stops = _favourites(make_engine)
 
     def add(engine: Engine) -> None:
         for rid, prompt in PROMPTS.items():
@@ -216,6 +221,36 @@ def test_host_bound_requests_run_synchronous_steps(make_engine: EngineFactory) -
             launched.append(engine.overlap.launched)
     assert outs[1] == outs[0]
     assert 0 < launched[0] < 12  # overlapped before the host-bound ones came, not after
+
+
+def test_min_tokens_overlaps_and_counts_the_token_in_flight(make_engine: EngineFactory) -> None:
+    """min_tokens needs only the count of tokens generated: its steps overlap, the token in
+    flight counted, so the stop tokens (the model's favourites) are refused for exactly the
+    first min_tokens tokens and the tokens equal the synchronous engine's."""
+    stops = _favourites(make_engine)
+    minimums = dict(zip(PROMPTS, [0, 3, 5, 8, 1, 12], strict=True))
+
+    def add(engine: Engine) -> None:
+        for rid, prompt in PROMPTS.items():
+            p = SamplingParams(
+                temperature=0.0, max_tokens=30, min_tokens=minimums[rid], stop_token_ids=stops
+            )
+            engine.add_request(rid, prompt, p)
+
+    sync = _finals(_added(make_engine(async_scheduling=False), add))
+    engine = _added(make_engine(async_scheduling=True), add)
+    assert _finals(engine) == sync
+    assert engine.overlap is not None and engine.overlap.launched >= 10  # overlapped
+    for rid, least in minimums.items():
+        tokens = sync[rid][0]
+        assert not set(tokens[:least]) & set(stops), f"{rid}: a stop before min_tokens"
+    held = [rid for rid, m in minimums.items() if m and len(sync[rid][0]) > m]
+    assert any(sync[rid][0][-1] in stops for rid in held), "no stop after min_tokens: no test"
+
+
+def _added(engine: Engine, add: Any) -> Engine:
+    add(engine)
+    return engine
 
 
 def test_the_prefill_role_refuses_async_scheduling(make_engine: EngineFactory) -> None:

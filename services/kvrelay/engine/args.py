@@ -436,8 +436,7 @@ _HELP = {
     "async_scheduling": "launch each step before reading the last one's sampled tokens, so "
     "the host's work overlaps the GPU's (vLLM's --async-scheduling; default: on for CUDA, off "
     "on the CPU, where torch computes on the calling thread; not with --role prefill). Steps "
-    "of requests with penalties, logprobs, prompt logprobs, a grammar or min_tokens run "
-    "synchronously",
+    "of requests with penalties, logprobs, prompt logprobs or a grammar run synchronously",
     "enable_prefix_caching": "turn prefix caching off",
     "max_num_batched_tokens": "token budget of one engine step, decode tokens and prefill "
     "chunks together (default 512); longer prompts are prefilled in chunks",

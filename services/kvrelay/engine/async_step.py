@@ -12,12 +12,14 @@ its step-(n+1) row discarded (never appended, never emitted); blocks a launched 
 back to the pool only once that step is done (`in_use` / `hold`; a preemption waits instead).
 
 Steps that need the host between two steps run synchronously, the in-flight step read
-first: a request with penalties, logprobs, prompt logprobs, a grammar or min_tokens
-(`Request.host_bound`), samples about to fork (n > 1 with prefix caching). Unseeded random
-rows draw from the engine's shared generator, which a discarded row also draws from: their
-tokens are samples as good as the synchronous engine's, not the same draws (seeded rows
-are: a discarded row's generator is never used again). It schedules, launches and reads;
-what a token means for its request stays the engine's (engine.py, step_outputs.py).
+first: a request with penalties, logprobs, prompt logprobs or a grammar
+(`Request.host_bound`), samples about to fork (n > 1 with prefix caching). min_tokens
+overlaps: its mask counts the token in flight as generated (SamplingRow.num_pending).
+Unseeded random rows draw from the engine's shared generator, which a discarded row also
+draws from: their tokens are samples as good as the synchronous engine's, not the same draws
+(seeded rows are: a discarded row's generator is never used again). It schedules, launches
+and reads; what a token means for its request stays the engine's (engine.py,
+step_outputs.py).
 """
 
 from __future__ import annotations

@@ -164,16 +164,16 @@ class Request:
     @functools.cached_property
     def host_bound(self) -> bool:
         """Whether a step that samples it needs the host to have read its last token first
-        (penalties over the outputs, logprobs, prompt logprobs, a grammar's mask, the
-        min_tokens mask): async scheduling runs such steps synchronously
-        (engine/async_step.py). Kept: the params never change."""
+        (penalties over the outputs, logprobs, prompt logprobs, a grammar's mask): async
+        scheduling runs such steps synchronously (engine/async_step.py). Not min_tokens:
+        its mask needs only the count of tokens, the one in flight included
+        (SamplingRow.num_pending). Kept: the params never change."""
         p = self.sampling_params
         return (
             p.has_penalties
             or p.logprobs is not None
             or p.prompt_logprobs is not None
             or p.structured_outputs is not None
-            or p.min_tokens > 0
         )
 
     def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:

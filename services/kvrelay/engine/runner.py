@@ -381,5 +381,5 @@ def _sampling_row(r: Request) -> SamplingRow:
     # Positional: one row per sampled request per step (SamplingRow's field order).
     return SamplingRow(
         r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator,
-        r.eos_token_ids, r.matcher,
+        r.eos_token_ids, r.matcher, r.num_pending,
     )  # fmt: skip
