@@ -18,15 +18,20 @@ apart (`add_waiting_for_remote_kv`) until `finish_remote_kv` lets it run or reco
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from functools import partial
+from itertools import repeat
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine import fair_share
 from kvrelay.engine.fair_share import SERVICE_ORDER as _SERVICE_ORDER
 from kvrelay.engine.fair_share import Shares
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
+from kvrelay.engine.plain_decodes import PlainDecodeFinder, PlainDecodes
 from kvrelay.engine.prompt_logprobs import cacheable_blocks
 from kvrelay.engine.request import Request, RequestStatus
 
@@ -59,6 +64,11 @@ class ScheduledChunk(NamedTuple):
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+
+# A ScheduledChunk from its five fields, made in C (no Python `__new__` call): the plain
+# decodes' chunks of a step are built in one `map`.
+_NEW_CHUNK: Callable[[tuple[Any, ...]], ScheduledChunk] = partial(tuple.__new__, ScheduledChunk)
 
 
 @dataclass
@@ -124,6 +134,7 @@ class Scheduler:
         # that answer (it reads no KV), so a full batch nothing leaves costs one comparison
         # per step instead of counting every running request's tenant again.
         self._stuck: tuple[list[Request], list[Request], int] | None = None
+        self._plain_decodes = PlainDecodeFinder(kv_cache)
         # Async scheduling: requests with a sampled token not yet read count it as known
         # (Request.num_pending), and blocks a launched step uses are freed through this.
         self.fence: BlockFence | None = None
@@ -235,39 +246,85 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first: a long prompt's next chunk must never delay the tokens of running
         # streams. Within each kind, older / higher-priority requests come first. One pass
-        # in service order serves the decodes and sets the prefills aside for a second
-        # (every running request passes here every step: a decode takes the short way).
+        # in service order serves the decodes and sets the prefills aside for a second.
+        # Every running request passes here every step: the plain decodes of the batch are
+        # found at once (plain_decodes.py), the rest one by one.
+        order = self._in_service_order()
         prefills: list[Request] = []
-        chunks, fits, forks = out.chunks, self.kv_cache.decode_fits, self._forks
         self._num_decodes = 0
-        for request in self._in_service_order():
+        plain = None
+        if len(order) <= budget and not self._forks:  # every decode fits the budget
+            plain = self._plain_decodes.find(order)
+        rest = order
+        if plain is not None:
+            budget, rest = self._take_plain_decodes(order, plain, out, budget, prefills)
+        for request in rest:
             if budget == 0:
                 return budget
-            start = request.num_computed_tokens
-            outputs = request.output_token_ids
-            left = len(request.prompt_token_ids) + len(outputs) + request.num_pending - start
-            if request.num_pending and len(outputs) + 1 >= request.stop_watch[1]:
-                continue  # its token not yet read ends it (max_tokens or length): no more
-            if left > 1:
-                prefills.append(request)
-            elif (
-                left == 1
-                and request.status is RequestStatus.RUNNING
-                and not (forks and request.request_id in forks)
-                and fits(request.request_id, start)
-            ):  # the token lands in a block it owns alone: nothing to allocate
-                chunks.append(ScheduledChunk(request, start, 1, True))
-                self._num_decodes += 1
-                budget -= 1
-            else:  # a new block, a copy-on-write, forks, or a prefill chunk of one token
-                scheduled = len(chunks)
-                budget = self._schedule_one(request, out, budget)
-                if len(chunks) > scheduled and chunks[-1][2:] == _DECODE:
-                    self._num_decodes += 1
+            budget = self._schedule_running_one(request, out, budget, prefills)
         for request in prefills:
             if budget == 0:
                 break
             budget = self._schedule_one(request, out, budget)
+        return budget
+
+    def _take_plain_decodes(
+        self,
+        order: list[Request],
+        plain: PlainDecodes,
+        out: SchedulerOutput,
+        budget: int,
+        prefills: list[Request],
+    ) -> tuple[int, list[Request]]:
+        """The decode pass over `order` with its plain decodes' chunks built at once (in C)
+        and the other rows taken one by one, in order. After a preemption the rows left may
+        have lost their place or their blocks: they are handed back, to go one by one.
+
+        Returns:
+            The budget left and the rows still to schedule."""
+        starts, is_plain = plain
+        chunks = out.chunks
+        built = list(map(_NEW_CHUNK, zip(order, starts, repeat(1), repeat(True), repeat(()))))
+        begin = 0
+        for index in [*np.flatnonzero(~is_plain).tolist(), len(order)]:
+            chunks += built[begin:index]
+            self._num_decodes += index - begin
+            budget -= index - begin
+            if index == len(order):
+                break
+            budget = self._schedule_running_one(order[index], out, budget, prefills)
+            begin = index + 1
+            if out.preempted:
+                return budget, order[begin:]
+        return budget, []
+
+    def _schedule_running_one(
+        self, request: Request, out: SchedulerOutput, budget: int, prefills: list[Request]
+    ) -> int:
+        """The decode pass for one running request: its decode, or set aside with the
+        prefills (`prefills`). Returns the budget left."""
+        chunks = out.chunks
+        start = request.num_computed_tokens
+        outputs = request.output_token_ids
+        left = len(request.prompt_token_ids) + len(outputs) + request.num_pending - start
+        if request.num_pending and len(outputs) + 1 >= request.stop_watch[1]:
+            return budget  # its token not yet read ends it (max_tokens or length): no more
+        if left > 1:
+            prefills.append(request)
+        elif (
+            left == 1
+            and request.status is RequestStatus.RUNNING
+            and not (self._forks and request.request_id in self._forks)
+            and self.kv_cache.decode_fits(request.request_id, start)
+        ):  # the token lands in a block it owns alone: nothing to allocate
+            chunks.append(ScheduledChunk(request, start, 1, True))
+            self._num_decodes += 1
+            budget -= 1
+        else:  # a new block, a copy-on-write, forks, or a prefill chunk of one token
+            scheduled = len(chunks)
+            budget = self._schedule_one(request, out, budget)
+            if len(chunks) > scheduled and chunks[-1][2:] == _DECODE:
+                self._num_decodes += 1
         return budget
 
     def _schedule_one(self, request: Request, out: SchedulerOutput, budget: int) -> int:

@@ -6,12 +6,22 @@ Which requests run, and when, is the scheduler's business; this file only keeps 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+import numpy.typing as npt
 
 from kvrelay.common.block_hash import BlockHash, extend_block_hashes
 from kvrelay.engine.kv_cache.block_pool import BlockPool
 from kvrelay.engine.request import Request
+
+# decodes_fit: a request with no table reads as one of length 0; its last block.
+_NO_TABLE: list[int] = []
+_LAST = operator.itemgetter(-1)
+Fits = npt.NDArray[np.bool_] | None
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -162,6 +172,21 @@ class KVCacheManager:
         if first == len(table) - 1:  # the usual case: the token lands in the last block
             return self.pool.ref_count(table[first]) == 1
         return self._fits_unshared(table, num_computed_tokens + 1, num_computed_tokens)
+
+    def decodes_fit(self, request_ids: Sequence[str], starts: npt.NDArray[np.int64]) -> Fits:
+        """`decode_fits`' usual case for a whole batch at once, read in C and numpy: whether
+        each request's next token (at `starts[i]`) lands in the last block of its table, a
+        block it owns alone. True means `decode_fits` is True; False that it must be asked
+        (a new block, a copy-on-write, a table longer than the tokens). None when some
+        request holds no blocks."""
+        n = len(request_ids)
+        tables = list(map(self._tables.get, request_ids, repeat(_NO_TABLE, n)))
+        lengths = np.fromiter(map(len, tables), np.int64, n)
+        if not lengths.all():
+            return None
+        last_block = lengths - 1 == starts // self.block_size
+        alone = self.pool.ref_counts(map(_LAST, tables), n) == 1
+        return last_block & alone
 
     def _fits_unshared(self, table: list[int], num_total: int, num_computed: int) -> bool:
         """Whether the table already holds `num_total` tokens and every block written from
