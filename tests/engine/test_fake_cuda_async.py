@@ -17,7 +17,7 @@ from tests.fake_cuda.scenarios import SAMPLED
 pytestmark = pytest.mark.skipif(
     torch.backends.cuda.is_built(), reason="fake CUDA needs a CPU-only torch (GPU tests cover it)"
 )
-REQUESTS = {"d0", "d1", "d2", "d3", "long", "seeded"}
+REQUESTS = {"d0", "d1", "d2", "d3", "long", "seeded", "masked"}
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,9 @@ def scenario_overlap(model: Path, mode: FakeCudaMode, **overrides: Any) -> dict[
     greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"d{i}", [4 + i] * (5 + i), greedy)
+    # min_tokens overlaps too: its mask counts the token in flight (on the device, no sync).
+    masked = SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=3, ignore_eos=True)
+    engine.add_request("masked", [6, 7, 8, 9], masked)
     engine.add_request("long", list(range(3, 100)), greedy)
     stop = SamplingParams(temperature=0.0, max_tokens=TOKENS, stop_token_ids=[SAMPLED])
     engine.add_request("stops", [9, 9, 9], stop)

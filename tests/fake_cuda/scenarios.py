@@ -146,7 +146,10 @@ def run_steps(engine: Engine, mode: FakeCudaMode) -> dict[str, Any]:
 
 
 def scenario_engine(model: Path, mode: FakeCudaMode, **overrides: Any) -> dict[str, Any]:
-    engine = make_engine(model, **overrides)
+    # Step by step (run_steps records what each engine step launched): the overlapped loop
+    # has its own scenarios (async_scenarios.py). These requests' min_tokens kept every step
+    # synchronous until async scheduling learned to overlap min_tokens.
+    engine = make_engine(model, **{"async_scheduling": False, **overrides})
     fake_sampling(engine)
     add_mixed_requests(engine)
     result = run_steps(engine, mode)
@@ -158,7 +161,7 @@ def scenario_engine(model: Path, mode: FakeCudaMode, **overrides: Any) -> dict[s
 def scenario_preemption(model: Path, mode: FakeCudaMode) -> dict[str, Any]:
     """15 blocks of 16 tokens for five requests that need 20 by their ends: running requests
     are preempted and recomputed, their rows of the device block table rewritten."""
-    engine = make_engine(model, kv_cache_memory=None, num_blocks=15)
+    engine = make_engine(model, kv_cache_memory=None, num_blocks=15, async_scheduling=False)
     fake_sampling(engine)
     long_params = _params(temperature=0.0, max_tokens=PREEMPTION_TOKENS)
     engine.add_request("long", list(range(3, 153)), long_params)
