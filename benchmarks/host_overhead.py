@@ -2,31 +2,24 @@
 """Host time per decode step, and device kernels per decoder layer, of the engine as served on
 a GPU, measured on a CPU-only machine through the fake-CUDA rig (tests/fake_cuda).
 
-On an H200 a decode step's GPU work is shorter than the host's: the scheduler, the inputs
-built and uploaded, the graph replay, the sampler and the outputs of every request. This runs
-the serving loop's own `Engine.step_delta()` on a random-weight Llama of SmolLM2-135M's shape (bf16,
-CUDA graphs on, as served) with B requests all decoding (long max_tokens, ignore_eos; the
-sampled token is made up, as the rig's scenarios do) and times windows of N steps in this
-thread's CPU time (other processes on a shared machine do not inflate it); medians reported.
+On an H200 a decode step's GPU work is shorter than the host's. This runs the serving loop's
+own `Engine.step_delta()` on a random-weight Llama of SmolLM2-135M's shape (bf16, CUDA graphs
+on, as served) with B requests all decoding (ignore_eos; the sampled token made up, as in the
+rig's scenarios) and times windows of N steps in this thread's CPU time; medians reported.
 
-Host time means what a real GPU would see. An op on a fake tensor costs far more host time
-than a CUDA launch, so the rig's share is taken off: its own work (fake dispatch, the kernel
-stand-ins' checks: mode.RigClock) and each op's trip into the Python dispatch mode and back
-(calibrated at start on a mix of ops; the mix's spread gives the low-high column). A nominal
-launch cost (LAUNCH_US) is added back per device op and graph replay. Raw and corrected
-figures are both printed; `--phases` splits the corrected time among the step's parts.
-
-Kernels per layer are counted separately on an eager pure-decode step (graphs off): the ops in
-the decoder layers' forward that would launch a kernel (tests/fake_cuda/launches.py: views,
-allocations and host <-> device copies excluded; stand-in kernel calls included) / layers.
+Host time means what a real GPU would see: the rig's share is taken off (its own work,
+mode.RigClock, and each op's trip into the Python dispatch mode and back, calibrated at start
+on a mix of ops whose spread gives the low-high column) and a nominal launch cost
+(LAUNCH_US) added back per device op and graph replay. `--phases` splits the corrected time
+among the step's parts. Kernels per layer are counted on an eager pure-decode step: the ops
+in the decoder layers' forward that would launch a kernel (tests/fake_cuda/launches.py) /
+layers.
 
 With `--async-scheduling on|both` the engine launches step n+1 before it reads step n's
 tokens (engine/async_step.py); each row also gives the host ms from a step's token read to
-the next launch (what the GPU idles per step; 0 when the launch comes first) and, with async
-scheduling, by how much the launch came first.
-
-Not measured: the GPU's time, device waits (the sampler's sync returns at once), detokenizing
-(served workers have no tokenizer, as here), the worker's delivery, the HTTP / gRPC side.
+the next launch (what the GPU idles per step; 0 when the launch comes first) and by how much
+the launch came first. Not measured: the GPU's time, device waits, detokenizing (served
+workers have no tokenizer, as here), the worker's delivery, the HTTP / gRPC side.
 
     .venv/bin/python benchmarks/host_overhead.py
     .venv/bin/python benchmarks/host_overhead.py --batches 256 --phases
@@ -395,15 +388,13 @@ def phases(engine: Engine, rig: Rig, steps: int, api: str = "delta") -> None:
 
 
 def phase_parts(engine: Engine, api: str) -> dict[str, tuple[Any, str]]:
-    """The step's parts `phases` times: name -> (object, attribute), each name's dots
-    saying what it is inside of."""
+    """The step's parts `phases` times (see `parts` below)."""
     from kvrelay.engine import engine as engine_module
     from kvrelay.engine import runner as runner_module
 
     runner, scheduler, overlap = engine.runner, engine.scheduler, engine.overlap
-    # With async scheduling the step launches the next batch (`_launch`, which runs
-    # `_execute`), reads the one in flight, and counts the launched chunks computed after
-    # the outputs (`after_outputs`, which runs `update_after_step`).
+    # Async scheduling: the step launches the next batch (`_launch` runs `_execute`), reads
+    # the one in flight, counts the launched chunks computed after the outputs.
     run = "step.execute" if overlap is None else "step.launch.execute"
     parts = {  # name: (object, attribute); the name's dots say what it is inside of
         "step": (engine, STEP_METHOD[api]),
