@@ -315,7 +315,7 @@ def write_q8_0_twin(folder: Path) -> Path:
 
     from kvrelay.config import ModelConfig
     from kvrelay.models.default_model import SOURCE_GGUF, default_model_dir
-    from kvrelay.models.gguf_convert import read_gguf_weights
+    from kvrelay.models.gguf_convert import open_gguf, read_gguf_weights
 
     source = default_model_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -337,7 +337,7 @@ def write_q8_0_twin(folder: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     config = ModelConfig.from_pretrained(folder)
-    dense = read_gguf_weights(folder / SOURCE_GGUF, config.num_attention_heads,
+    dense = read_gguf_weights(open_gguf(folder / SOURCE_GGUF), config.num_attention_heads,
                               config.num_key_value_heads, keep_quantized=frozenset())  # fmt: skip
     dense.pop("lm_head.weight", None)  # tied to the embedding, as in the source folder
     save_file({k: v.contiguous() for k, v in dense.items()}, str(folder / "model.safetensors"))

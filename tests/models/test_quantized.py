@@ -20,7 +20,7 @@ from kvrelay.models.gguf_blocks import (
     dequantize_q4_1,
     q4_1_fields,
 )
-from kvrelay.models.gguf_convert import read_gguf_weights
+from kvrelay.models.gguf_convert import open_gguf, read_gguf_weights
 from kvrelay.models.quantized import (
     DENSE_FROM_ROWS,
     QUANT_KERNEL_ENV,
@@ -246,7 +246,7 @@ def make_gguf_folder(
     """`folder` with config.json, the GGUF (source.gguf) and its dequantized safetensors."""
     (folder / "config.json").write_text(json.dumps(_CONFIG))
     _write_tiny_gguf(folder / "source.gguf", types, default)
-    dense = read_gguf_weights(folder / "source.gguf", 4, 2, keep_quantized=frozenset())
+    dense = read_gguf_weights(open_gguf(folder / "source.gguf"), 4, 2, keep_quantized=frozenset())
     save_file({k: v.contiguous() for k, v in dense.items()}, str(folder / "model.safetensors"))
     return folder
 
@@ -309,3 +309,24 @@ def test_several_gguf_files_need_a_source_gguf(tmp_path: Path) -> None:
         find_gguf(tmp_path)
     (tmp_path / "source.gguf").touch()
     assert find_gguf(tmp_path) == tmp_path / "source.gguf"
+
+
+def test_a_quantized_load_parses_the_gguf_once(
+    tiny_gguf_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF's header parse walks its whole vocabulary (5.8 s for the default model): the
+    load's three questions (the matmul types, the weights, the embedding's raw blocks for the
+    vocab projection) share one parse."""
+    import gguf
+
+    parsed: list[Path] = []
+    real = gguf.GGUFReader
+
+    def counting(path: Path, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(Path(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    model, _ = load_model(tiny_gguf_folder, select_backend("auto"), quantization="q4_1")
+    assert any(isinstance(m, Int4Linear) for m in model.modules())
+    assert parsed == [tiny_gguf_folder / "source.gguf"]

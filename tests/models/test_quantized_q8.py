@@ -23,6 +23,7 @@ from kvrelay.models.gguf_blocks import (
     q8_0_fields,
     raw_format,
 )
+from kvrelay.models.gguf_convert import open_gguf
 from kvrelay.models.layers import Linear
 from kvrelay.models.quantized import (
     Int4Linear,
@@ -224,7 +225,7 @@ def test_auto_picks_q8_0_and_q4_1_by_the_gguf(q8_0_folder: Path, tmp_path: Path)
     backend = select_backend("auto")
     auto, _ = load_model(q8_0_folder, backend, quantization="auto")
     assert len(_layers(auto, Q8_0Linear)) == 8 and not _layers(auto, Int4Linear)
-    assert matmul_types(q8_0_folder / "source.gguf") == {"Q8_0": 14}
+    assert matmul_types(open_gguf(q8_0_folder / "source.gguf")) == {"Q8_0": 14}
     q4_1 = make_gguf_folder(tmp_path)
     auto, _ = load_model(q4_1, backend, quantization="auto")
     assert len(_layers(auto, Int4Linear)) == 8 and not _layers(auto, Q8_0Linear)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -200,32 +200,44 @@ def _convert_tensors(
     return out
 
 
+class GgufFile(NamedTuple):
+    """A GGUF file's path and its tensor entries (their data memory-mapped, read on use)."""
+
+    path: Path
+    tensors: list[Any]
+
+
+def open_gguf(gguf_path: str | Path) -> GgufFile:
+    """Parse the GGUF's header once. The parse walks every metadata entry, the vocabulary's
+    tokens included (5.8 s for the default model's 49k on a 2-core EPYC): a load that asks
+    the file several things (its types, its weights, one raw tensor) asks one `GgufFile`."""
+    from gguf import GGUFReader
+
+    path = Path(gguf_path)
+    return GgufFile(path, list(GGUFReader(path).tensors))
+
+
 def read_gguf_weights(
-    gguf_path: str | Path, num_heads: int, num_kv_heads: int, keep_quantized: frozenset[str]
+    gguf: GgufFile, num_heads: int, num_kv_heads: int, keep_quantized: frozenset[str]
 ) -> dict[str, torch.Tensor]:
     """The GGUF's weights under their Hugging Face names, q/k rows in HF's order.
 
     Tensors whose GGUF type is named in `keep_quantized` (e.g. "Q4_1") stay as their raw
     blocks, `[rows, bytes per row]` uint8; every other tensor is dequantized to fp32.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(Path(gguf_path))
     out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf.tensors:
         name = hf_tensor_name(tensor.name)
         out[name] = _hf_tensor(tensor, name, num_heads, num_kv_heads, keep_quantized)
     return out
 
 
 def read_raw_gguf_tensor(
-    gguf_path: str | Path, gguf_name: str, types: frozenset[str]
+    gguf: GgufFile, gguf_name: str, types: frozenset[str]
 ) -> torch.Tensor | None:
     """The raw blocks (`[rows, bytes per row]` uint8) of the GGUF tensor `gguf_name`, if it
     is there and of one of `types`; else None."""
-    from gguf import GGUFReader
-
-    for tensor in GGUFReader(Path(gguf_path)).tensors:
+    for tensor in gguf.tensors:
         if tensor.name == gguf_name and tensor.tensor_type.name in types:
             return torch.from_numpy(np.array(tensor.data, np.uint8))
     return None

@@ -22,6 +22,7 @@ from kvrelay.models.families import (
     has_o_proj_bias,
     has_qk_norm,
 )
+from kvrelay.models.gguf_convert import GgufFile
 from kvrelay.models.llama import CausalLM
 from kvrelay.models.quantized_loading import (
     check_int8_activations,
@@ -55,8 +56,7 @@ def load_model(
     """Build the decoder described by `folder/config.json` and load its weights.
 
     Args:
-        folder: a Hugging Face model folder: config.json and one or many *.safetensors
-            (with model.safetensors.index.json when sharded).
+        folder: a Hugging Face model folder: config.json, *.safetensors (an index if sharded).
         backend: the kernel ops the attention layers call.
         dtype: the dtype of every weight (converted on load).
         max_positions: size of the RoPE table; `max_position_embeddings` when None. Pass the
@@ -85,7 +85,8 @@ def load_model(
     config = ModelConfig.from_pretrained(folder)
     check_backend(config, backend)  # before reading gigabytes of weights
     hf_weights, gguf, count = _read_weights(folder, quantization, config, torch.device(device))
-    state = convert_hf_state_dict(hf_weights, config, dtype, source=str(gguf or folder))
+    source = gguf.path if gguf is not None else folder
+    state = convert_hf_state_dict(hf_weights, config, dtype, source=str(source))
     del hf_weights
     # Built on the meta device: no memory and no random init for weights that the checkpoint
     # replaces right away (`assign=True` adopts the loaded tensors as the parameters).
@@ -101,13 +102,13 @@ def load_model(
     model.to(device)
     model.eval().requires_grad_(False)
     gather_weights(model)  # CPU weights into one huge-page run, in the order a step reads them
-    logger.info("loaded %s from %s (%d files)", config.architecture, gguf or folder, count)
+    logger.info("loaded %s from %s (%d files)", config.architecture, source, count)
     return model, config
 
 
 def _read_weights(
     folder: str | Path, quantization: str | None, config: ModelConfig, device: torch.device
-) -> tuple[dict[str, torch.Tensor], Path | None, int]:
+) -> tuple[dict[str, torch.Tensor], GgufFile | None, int]:
     """The checkpoint's HF-named tensors, the GGUF they came from (None for safetensors)
     and the number of files read."""
     folder = Path(folder)

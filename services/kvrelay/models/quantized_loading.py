@@ -18,7 +18,13 @@ from torch import nn
 from kvrelay.config import ModelConfig
 from kvrelay.models.families import GGUF_ARCHITECTURES
 from kvrelay.models.gguf_blocks import dequantize
-from kvrelay.models.gguf_convert import hf_tensor_name, read_gguf_weights, read_raw_gguf_tensor
+from kvrelay.models.gguf_convert import (
+    GgufFile,
+    hf_tensor_name,
+    open_gguf,
+    read_gguf_weights,
+    read_raw_gguf_tensor,
+)
 from kvrelay.models.layers import Linear
 from kvrelay.models.llama import ALL_ROWS, CausalLM
 from kvrelay.models.quantized import (
@@ -87,24 +93,20 @@ def find_gguf(folder: Path) -> Path | None:
     return found[0] if found else None
 
 
-def matmul_types(gguf: Path) -> Counter[str]:
+def matmul_types(gguf: GgufFile) -> Counter[str]:
     """How many of the GGUF's matmul weights (attention and MLP projections) are of each
     tensor type, e.g. `{"Q4_1": 210}`."""
-    from gguf import GGUFReader
-
     return Counter(
-        t.tensor_type.name
-        for t in GGUFReader(gguf).tensors
-        if hf_tensor_name(t.name).endswith("_proj.weight")
+        t.tensor_type.name for t in gguf.tensors if hf_tensor_name(t.name).endswith("_proj.weight")
     )
 
 
 def read_quantized_weights(
     folder: Path, quantization: str | None, config: ModelConfig, device: torch.device
-) -> tuple[dict[str, torch.Tensor], Path] | None:
+) -> tuple[dict[str, torch.Tensor], GgufFile] | None:
     """The folder GGUF's weights under HF names, the kept quantized ones as raw uint8 rows
-    and the rest fp32, and the GGUF's path; None when the safetensors weights are to be
-    loaded.
+    and the rest fp32, and the GGUF (`install_quantized_logits` asks it again); None when
+    the safetensors weights are to be loaded.
 
     Raises:
         QuantizationError: an unknown value; "q4_1"/"q8_0" on a non-CPU device, for a family
@@ -133,7 +135,8 @@ def read_quantized_weights(
             f"{', '.join(GGUF_ARCHITECTURES)} only, not {config.architecture}; drop "
             "--quantization for this folder (its safetensors load as they are)"
         )
-    gguf = find_gguf(folder)
+    path = find_gguf(folder)
+    gguf = open_gguf(path) if path is not None else None
     found = matmul_types(gguf) if gguf is not None else Counter[str]()
     kept = (_AUTO_TYPES if auto else _KEPT_TYPES[quantization]) & found.keys()
     if not kept:
@@ -148,14 +151,14 @@ def read_quantized_weights(
 
 
 def _no_such_weights(
-    quantization: str, folder: Path, gguf: Path | None, found: Counter[str]
+    quantization: str, folder: Path, gguf: GgufFile | None, found: Counter[str]
 ) -> str:
     wanted = quantization.upper()
     if gguf is None:
         what = "none"
     else:
         types = ", ".join(f"{n} {t}" for t, n in found.most_common()) or "none"
-        what = f"no {wanted} matmul weight in {gguf.name} (its matmul weights: {types})"
+        what = f"no {wanted} matmul weight in {gguf.path.name} (its matmul weights: {types})"
         usable = sorted(_AUTO_TYPES & found.keys())
         if usable:
             what += f"; serve it with --quantization {usable[0].lower()}"
@@ -221,7 +224,7 @@ def install_quantized_linears(
 
 
 def install_quantized_logits(
-    model: CausalLM, gguf: Path, dtype: torch.dtype, int8_activations: bool = False
+    model: CausalLM, gguf: GgufFile, dtype: torch.dtype, int8_activations: bool = False
 ) -> bool:
     """Give a tied-embedding model's vocab projection the GGUF's own blocks of the token
     embedding (`model.quantized_logits`), for steps of few rows; whether it did.
