@@ -63,7 +63,7 @@ def start_server(
     log_dir: Path,
     *args: str,
     env: dict[str, str] | None = None,
-    timeout_s: float = 180.0,
+    timeout_s: float = 300.0,
     ssl_context: ssl.SSLContext | None = None,
 ) -> ServerProcess:
     """`kvrelay serve ARGS` on free ports; returns once it serves (or fails with its log).

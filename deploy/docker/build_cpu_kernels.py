@@ -8,13 +8,19 @@ The builds use -march=native and are keyed on the CPU's feature flags
 own on first use (the image keeps g++ and ninja for that).
 
     TORCH_EXTENSIONS_DIR=/opt/torch_extensions python build_cpu_kernels.py
+
+`make test` runs it too (`--jobs 2`), before pytest: each build is one g++ process, so two at
+a time halve the wait on two cores, and no test or server start pays a compile inside its own
+timeout.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 # (module, loader) of every CPU extension; tests/operator/test_operator_image.py checks
 # this names every caller of load_cpu_extension.
@@ -29,14 +35,25 @@ LOADERS = (
 )
 
 
-def main() -> int:
+def build(module: str, loader: str) -> bool:
+    """Build (or find built) one extension, in this process; whether it loaded."""
+    return getattr(importlib.import_module(module), loader)() is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build kvrelay's CPU kernels ahead of use.")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="builds at a time, each in its own process"
+    )
+    jobs = max(1, parser.parse_args(argv).jobs)
     where = os.environ.get("TORCH_EXTENSIONS_DIR", "torch's default")
     failed = []
-    for module, loader in LOADERS:
-        built = getattr(importlib.import_module(module), loader)()
-        print(f"{module}.{loader}: {'ok' if built is not None else 'FAILED'}")
-        if built is None:
-            failed.append(f"{module}.{loader}")
+    with ProcessPoolExecutor(jobs) as pool:  # a process each: torch loads one per process
+        results = pool.map(build, *zip(*LOADERS, strict=True))
+        for (module, loader), built in zip(LOADERS, results, strict=True):
+            print(f"{module}.{loader}: {'ok' if built else 'FAILED'}", flush=True)
+            if not built:
+                failed.append(f"{module}.{loader}")
     if failed:
         print(f"could not build {', '.join(failed)} into {where}", file=sys.stderr)
         return 1
