@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = max(1, parser.parse_args(argv).jobs)
     where = os.environ.get("TORCH_EXTENSIONS_DIR", "torch's default")
     failed = []
-    with ProcessPoolExecutor(jobs) as pool:  # a process each: torch loads one per process
+    with ProcessPoolExecutor(jobs) as pool:  # processes: each build is one g++ run
         results = pool.map(build, *zip(*LOADERS, strict=True))
         for (module, loader), built in zip(LOADERS, results, strict=True):
             print(f"{module}.{loader}: {'ok' if built else 'FAILED'}", flush=True)
