@@ -37,8 +37,9 @@ typecheck: setup
 # module fixtures start once). Every worker starts its own Ray cluster and servers: about 3 GB
 # of memory each. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 pytest: model prometheus cpu-kernels
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST)
 
 # Debian's Prometheus server, for the dashboards' end-to-end test (it starts its own instance
 # on a free loopback port; a system service, if the package starts one, is never used).
@@ -59,7 +60,7 @@ kernels-check: | $(PY)
 # The checks side by side (mypy is one process, the compilers wait on each other), then the
 # suite: on the 2-core CI machine this saves minutes of its 45.
 test: checks
-	$(MAKE) --no-print-directory pytest
+	$(PYTEST)
 
 checks: setup
 	$(MAKE) --no-print-directory -j2 lint typecheck kernels-check cpu-kernels model prometheus
