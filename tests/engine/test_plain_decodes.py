@@ -38,6 +38,7 @@ class Twin:
     requests: dict[str, Request] = field(default_factory=dict)
     inflight: list[ScheduledChunk] = field(default_factory=list)  # async: sampled, not read
     plain_rows: int = 0  # rows the finder called plain
+    appended_rows: int = 0  # plain rows whose token opened a block (append_blocks)
 
     def __post_init__(self) -> None:
         finder = self.scheduler._plain_decodes
@@ -47,18 +48,31 @@ class Twin:
             found = find(running) if self.plain else None
             if found is not None:
                 self.plain_rows += int(found[1].sum())
-                self._check_fits(running, found[0], found[1])
+                self._check_fits(running, *found)
             return found
 
         finder.find = counted  # type: ignore[method-assign]
-
-    def _check_fits(self, running: list[Request], starts: list[int], plain: np.ndarray) -> None:
-        """A plain row is one the per-request checks take as a decode that fits."""
         kv = self.scheduler.kv_cache
-        for request, start, is_plain in zip(running, starts, plain, strict=True):
-            if is_plain:
+        append = kv.append_blocks
+
+        def appended(request_ids: list[str]) -> None:
+            self.appended_rows += len(request_ids)
+            append(request_ids)
+
+        kv.append_blocks = appended  # type: ignore[method-assign]
+
+    def _check_fits(
+        self, running: list[Request], starts: list[int], plain: np.ndarray, openings: list[int]
+    ) -> None:
+        """A plain row is one the per-request checks take as a decode that fits, or one
+        whose table holds exactly its computed tokens, in full blocks (an opening)."""
+        kv = self.scheduler.kv_cache
+        for row, (request, start) in enumerate(zip(running, starts, strict=True)):
+            if plain[row]:
                 assert start == request.num_computed_tokens
-                assert kv.decode_fits(request.request_id, start), request.request_id
+                opens = row in openings
+                assert kv.decode_fits(request.request_id, start) != opens, request.request_id
+                assert (len(kv.block_table(request.request_id)) * BLOCK == start) == opens
 
 
 def _add(twin: Twin, rid: str, prompt: list[int], max_tokens: int, n: int, prio: int) -> None:
@@ -154,6 +168,7 @@ def test_plain_decodes_plan_every_step_as_the_per_request_path(seed: int, overla
         assert plans[0] == plans[1], f"step {step}"
     if budget >= max_seqs:  # every decode fits the budget: the plain path is taken
         assert twins[0].plain_rows > 20, "the workload never reached the plain decode path"
+        assert twins[0].appended_rows > 5, "no decode opened a block on the plain path"
     for twin in twins:
         twin.scheduler.kv_cache.pool.check_invariants()
 
@@ -197,16 +212,18 @@ def test_decodes_fit_answers_only_for_the_last_block_owned_alone() -> None:
     assert kv.allocate_slots("a", 6)  # 2 blocks: token 6 lands in the last one
     assert kv.allocate_slots("b", 8)  # 2 full blocks: token 8 needs a third
     assert kv.allocate_slots("c", 12)  # 3 blocks, 5 computed: token 5 is not in the last
-    fits = kv.decodes_fit(["a", "b", "c"], np.array([6, 8, 5]))
-    assert fits is not None and fits.tolist() == [True, False, False]
+    slots = kv.decodes_fit(["a", "b", "c"], np.array([6, 8, 5]))
+    assert slots is not None
+    assert slots[0].tolist() == [True, False, False]  # fits in place
+    assert slots[1].tolist() == [False, True, False]  # opens a new block
     assert [kv.decode_fits(rid, start) for rid, start in [("a", 6), ("b", 8), ("c", 5)]] == [
         True,
         False,
         True,  # a False is no verdict: the per-request check may still say it fits
     ]
     kv.fork("a", "a2")
-    fits = kv.decodes_fit(["a", "a2"], np.array([6, 6]))
-    assert fits is not None and fits.tolist() == [False, False]
+    slots = kv.decodes_fit(["a", "a2"], np.array([6, 6]))
+    assert slots is not None and slots[0].tolist() == slots[1].tolist() == [False, False]
 
 
 def test_under_min_rows_the_per_request_path_decides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,3 +239,37 @@ def test_under_min_rows_the_per_request_path_decides(monkeypatch: pytest.MonkeyP
     assert finder.find(s._in_service_order()) is not None
     monkeypatch.setattr(plain_decodes, "MIN_ROWS", 4)
     assert finder.find(s._in_service_order()) is None
+
+
+def _at_a_block_boundary(num_blocks: int) -> Scheduler:
+    """Two running requests of 4 computed tokens (one full block each), both decoding next,
+    in a pool of `num_blocks`."""
+    s = _scheduler(64, num_blocks, 8)
+    for rid in ("a", "b"):
+        s.add(Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=8), max_total_tokens=64))
+    out = s.schedule()
+    s.update_after_step(out.chunks)
+    for chunk in out.chunks:
+        chunk.request.output_token_ids.append(5)
+    return s
+
+
+def test_decodes_opening_blocks_get_them_at_once_in_service_order() -> None:
+    s = _at_a_block_boundary(num_blocks=8)
+    free_before = list(s.kv_cache.pool._free)
+    out = s.schedule()
+    assert out.decodes_only and not out.preempted
+    assert [(c.request.request_id, c.start) for c in out.chunks] == [("a", 4), ("b", 4)]
+    # The next free blocks, first to the first in service order: as row by row.
+    assert [s.kv_cache.block_table(rid)[1] for rid in ("a", "b")] == free_before[:2]
+    assert s.kv_cache.take_changed() >= {"a", "b"}
+
+
+def test_a_pool_short_of_blocks_for_the_openings_goes_row_by_row_and_preempts() -> None:
+    s = _at_a_block_boundary(num_blocks=3)  # one block free: "b" must give way to "a"
+    appended: list[list[str]] = []
+    s.kv_cache.append_blocks = appended.append  # type: ignore[method-assign]
+    out = s.schedule()
+    assert appended == []
+    assert [c.request.request_id for c in out.chunks] == ["a"]
+    assert [r.request_id for r in out.preempted] == ["b"]

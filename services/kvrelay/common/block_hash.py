@@ -45,19 +45,17 @@ def hash_block_tokens(
 
 def extend_block_hashes(
     hashes: list[BlockHash],
-    token_ids: Sequence[int],
-    num_blocks: int,
+    new_token_ids: Sequence[int],
     block_size: int,
     extra_keys: Sequence[str] = (),
 ) -> None:
-    """Append to `hashes` (the chain of `token_ids`' first blocks) until it has `num_blocks`.
-
-    `token_ids` must hold at least `num_blocks * block_size` tokens; existing entries are kept.
-    """
-    assert len(token_ids) >= num_blocks * block_size, "hashing a block that is not full"
-    for index in range(len(hashes), num_blocks):
+    """Append to `hashes` (the chain of a sequence's first blocks) the hashes of the full
+    blocks of `new_token_ids`, the sequence's tokens that follow the blocks `hashes` covers
+    (a trailing partial block gets none). Only the new tokens are passed: a decode that
+    fills a block hashes 16 tokens, not the whole sequence again."""
+    for first in range(0, len(new_token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else ROOT_HASH
-        block = token_ids[index * block_size : (index + 1) * block_size]
+        block = new_token_ids[first : first + block_size]
         hashes.append(hash_block_tokens(parent, block, extra_keys))
 
 
@@ -66,5 +64,5 @@ def hash_token_blocks(
 ) -> list[BlockHash]:
     """The hashes of every full block of `token_ids` (a trailing partial block has none)."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, len(token_ids) // block_size, block_size, extra_keys)
+    extend_block_hashes(hashes, token_ids, block_size, extra_keys)
     return hashes

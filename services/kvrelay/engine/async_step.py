@@ -85,7 +85,7 @@ class InFlight(NamedTuple):
 
 class Overlap:
     """One engine's overlapped step loop, and the fence on the blocks its launched steps use
-    (scheduler.BlockFence)."""
+    (block_fence.BlockFence)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, vocab_size: int) -> None:
         self.scheduler = scheduler
@@ -103,7 +103,7 @@ class Overlap:
         self._updates: list[Any] = []  # chunks launched, counted computed after the read
         scheduler.fence = self
 
-    # -- the fence on freed blocks (scheduler.BlockFence) --
+    # -- the fence on freed blocks (block_fence.BlockFence) --
 
     def in_use(self, request: Request) -> bool:
         return request.last_launch > self.done

@@ -176,3 +176,27 @@ def test_caching_off_caches_nothing_and_keeps_the_old_free_order() -> None:
     assert kv.find_cached_prefix(make_request("b", [1, 2, 3])) == []
     kv.free("a")
     assert free_queue(kv) == [2, 3, 1, 0]
+
+
+def test_decoded_blocks_hash_as_the_whole_sequence_does() -> None:
+    """A decode that fills a block hashes only the new block's tokens, chained to the last
+    hash; the chain equals the hashes of the whole sequence at once (what another engine or
+    the router computes), across the prompt / output seam and block by block."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, extra_keys=("m",))
+    request = make_request("d", [3, 1, 4, 1, 5, 9])  # one full block, two tokens over
+    admit(kv, request)
+    assert request.block_hashes == hash_token_blocks(request.prompt_token_ids, 4, ("m",))
+    for token in [2, 6, 5, 3, 5, 8, 9, 7]:  # decodes: one token, its KV computed
+        request.output_token_ids.append(token)
+        assert kv.allocate_slots(
+            request.request_id,
+            request.num_computed_tokens + 1,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+        request.num_computed_tokens += 1
+        kv.cache_full_blocks(request)
+        everything = request.prompt_token_ids + request.output_token_ids
+        assert request.block_hashes == hash_token_blocks(everything, 4, ("m",))
+    assert len(request.block_hashes) == 3
+    table = kv.block_table("d")
+    assert [kv.pool.lookup(h) for h in request.block_hashes] == table[:3]

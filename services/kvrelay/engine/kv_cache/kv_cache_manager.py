@@ -21,7 +21,7 @@ from kvrelay.engine.request import Request
 # decodes_fit: a request with no table reads as one of length 0; its last block.
 _NO_TABLE: list[int] = []
 _LAST = operator.itemgetter(-1)
-Fits = npt.NDArray[np.bool_] | None
+Fits = tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -85,12 +85,12 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The chain hashes of `request`'s first `num_blocks` full blocks (memoized on it)."""
-        if len(request.block_hashes) < num_blocks:
-            tokens = request.token_ids(0, num_blocks * self.block_size)
-            extend_block_hashes(
-                request.block_hashes, tokens, num_blocks, self.block_size, self.extra_keys
-            )
-        return request.block_hashes[:num_blocks]
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            size = self.block_size
+            tokens = request.token_ids(len(hashes) * size, num_blocks * size)
+            extend_block_hashes(hashes, tokens, size, self.extra_keys)
+        return hashes[:num_blocks]
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The blocks of the longest cached prefix of `request`'s tokens. Changes nothing.
@@ -174,11 +174,16 @@ class KVCacheManager:
         return self._fits_unshared(table, num_computed_tokens + 1, num_computed_tokens)
 
     def decodes_fit(self, request_ids: Sequence[str], starts: npt.NDArray[np.int64]) -> Fits:
-        """`decode_fits`' usual case for a whole batch at once, read in C and numpy: whether
-        each request's next token (at `starts[i]`) lands in the last block of its table, a
-        block it owns alone. True means `decode_fits` is True; False that it must be asked
-        (a new block, a copy-on-write, a table longer than the tokens). None when some
-        request holds no blocks."""
+        """`decode_fits`' usual cases for a whole batch at once, read in C and numpy.
+
+        Returns:
+            Two masks over the requests: whether each one's next token (at `starts[i]`)
+            lands in the last block of its table, a block it owns alone (`decode_fits` is
+            True), and whether it opens a new block after a table of full blocks (what
+            `append_blocks` gives it). A row False in both must be asked one by one (a
+            copy-on-write, a table longer than the tokens). None when some request holds
+            no blocks.
+        """
         n = len(request_ids)
         tables = list(map(self._tables.get, request_ids, repeat(_NO_TABLE, n)))
         lengths = np.fromiter(map(len, tables), np.int64, n)
@@ -186,7 +191,18 @@ class KVCacheManager:
             return None
         last_block = lengths - 1 == starts // self.block_size
         alone = self.pool.ref_counts(map(_LAST, tables), n) == 1
-        return last_block & alone
+        return last_block & alone, lengths * self.block_size == starts
+
+    def append_blocks(self, request_ids: Sequence[str]) -> None:
+        """One new block at the end of each request's table, taken from the pool in order:
+        for decodes whose token opens a block (`decodes_fit`), the same as `allocate_slots`
+        for each in turn. The caller has counted the free blocks."""
+        new_blocks = self.pool.allocate(len(request_ids))
+        assert new_blocks is not None, "append_blocks: fewer free blocks than requests"
+        tables = self._tables
+        for request_id, block in zip(request_ids, new_blocks, strict=True):
+            tables[request_id].append(block)
+        self._changed.update(request_ids)
 
     def _fits_unshared(self, table: list[int], num_total: int, num_computed: int) -> bool:
         """Whether the table already holds `num_total` tokens and every block written from
@@ -206,7 +222,8 @@ class KVCacheManager:
         if num_full <= done:
             return
         table = self._tables[rid]
-        hashes = self.block_hashes(request, num_full)
+        self.block_hashes(request, num_full)
+        hashes = request.block_hashes  # the memo itself: no copy of the whole chain
         for index in range(done, num_full):
             self.pool.cache_block(table[index], hashes[index])
         self._num_cached[rid] = num_full
