@@ -155,6 +155,39 @@ def test_mixed_prefill_and_decode_steps(make_engine: EngineFactory) -> None:
     assert overlapped == sync
 
 
+def test_a_pending_token_is_counted_once_in_flight_and_never_after(
+    make_engine: EngineFactory,
+) -> None:
+    """After every step, exactly the requests that the step in flight samples have one
+    token pending (Request.num_pending, which the scheduler counts as known), whether the
+    step took its batch's counts over from the step before (a steady decode batch: no
+    per-row count either way) or counted them afresh (a batch that changed: requests
+    joining, finishing, aborted); at the end, none."""
+    engine = make_engine(async_scheduling=True)
+    _mixed(engine)
+    overlap = engine.overlap
+    assert overlap is not None
+    seen: dict[str, Any] = {}
+    took_over = counted = 0
+    for step in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 6:
+            engine.abort("r3")  # a request whose token is in flight leaves the batch
+        engine.step_delta()
+        seen.update((r.request_id, r) for r in engine.scheduler.running)
+        flight = overlap.inflight
+        in_flight = set() if flight is None else {id(r) for r in flight.result.requests}
+        if flight is not None:
+            took_over += flight.took_over
+            counted += not flight.took_over
+        pending = {rid: r.num_pending for rid, r in seen.items()}
+        assert pending == {rid: int(id(r) in in_flight) for rid, r in seen.items()}, step
+    assert not engine.has_unfinished_requests()
+    assert all(r.num_pending == 0 for r in seen.values())
+    assert took_over > 10 and counted > 3, (took_over, counted)
+
+
 def test_aborts_mid_generation_free_every_block(make_engine: EngineFactory) -> None:
     """Requests aborted while a step that holds them is in flight: no token of theirs
     after the abort (their outputs are what was streamed: a prefix of their tokens without

@@ -224,3 +224,22 @@ def test_only_one_plain_sample_takes_the_plain_output() -> None:
     child = Request("c", [5], params, 9)
     detokenizer: Any = object()
     assert not ParentRequest("c", None, [5], [child], [detokenizer])._plain
+
+
+def test_the_runner_asks_a_steady_batch_once_and_its_grammars_every_step(
+    make_engine: Any,
+) -> None:
+    """Whether a batch is all plain greedy (no row per request) is read once per batch
+    (Request.plain_greedy never changes), a grammar's matcher every step (it may come)."""
+    runner = make_engine().runner
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    batch = [Request(f"g{i}", [5, 6], greedy, max_total_tokens=16) for i in range(3)]
+    assert runner._plain_greedy_batch(batch)
+    batch[1].__dict__["plain_greedy"] = False  # not read again for the same requests...
+    assert runner._plain_greedy_batch(list(batch))
+    batch[2].matcher = object()  # type: ignore[assignment]  # ...but a matcher is
+    assert not runner._plain_greedy_batch(list(batch))
+    batch[2].matcher = None
+    sampled = Request("s", [5, 6], SamplingParams(temperature=0.7), max_total_tokens=16)
+    assert not runner._plain_greedy_batch([*batch[:2], sampled])  # a new batch: read
+    assert runner._plain_greedy_batch([batch[0], batch[2]])

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from kvrelay.config import EngineConfig
-from kvrelay.engine.request import Request
-from kvrelay.engine.runner import Feed, ModelRunner, StepResult
+from kvrelay.engine.request import LaunchMark, Request
+from kvrelay.engine.runner import Feed, FeedEveryRow, ModelRunner, StepResult
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,10 @@ class InFlight(NamedTuple):
     tokens: torch.Tensor  # [len(requests)] int64 on the device: the next step's inputs
     host: torch.Tensor | None  # their host copy (pinned on CUDA); None when already read
     event: Any  # torch.cuda.Event recorded after the copy; None on the CPU
+    # Its sampled requests are the step before's, in the same order (a steady decode batch):
+    # each one's pending token of that step stands for this one's, so neither the launch
+    # counted nor the read of that step uncounts it (`Request.num_pending`, per row).
+    took_over: bool = False
 
 
 class Overlap:
@@ -101,16 +105,19 @@ class Overlap:
         # `running` and `waiting` when each was last found free of host-bound requests.
         self._checked: list[list[Request]] = [[], []]
         self._updates: list[Any] = []  # chunks launched, counted computed after the read
+        # The requests of the last launch's chunks, in order, and the mark they share.
+        self._marked: list[Request] = []
+        self._mark = LaunchMark(0)
         scheduler.fence = self
 
     # -- the fence on freed blocks (block_fence.BlockFence) --
 
     def in_use(self, request: Request) -> bool:
-        return request.last_launch > self.done
+        return request.launch_mark.number > self.done
 
     def hold(self, request: Request, blocks: list[int]) -> None:
         if blocks:
-            self._held.append((request.last_launch, blocks))
+            self._held.append((request.launch_mark.number, blocks))
 
     def wait(self) -> None:
         flight = self.inflight
@@ -152,7 +159,10 @@ class Overlap:
                 raise
         else:
             self.inflight = None
-        return self._read(previous) if previous is not None else StepResult.empty()
+        if previous is None:
+            return StepResult.empty()
+        launched = self.inflight
+        return self._read(previous, handed_on=launched is not None and launched.took_over)
 
     def after_outputs(self) -> None:
         """The read step's tokens are appended: the launched step's chunks now count as
@@ -188,41 +198,54 @@ class Overlap:
         self, plan: SchedulerOutput, previous: InFlight | None, execute: Execute
     ) -> InFlight:
         number = self.launched = self.launched + 1
-        for chunk in plan.chunks:
-            chunk[0].last_launch = number  # its blocks are in use until this step is done
-        feed = self._feed(plan.chunks, previous)
+        requests = list(map(_REQUEST, plan.chunks))
+        self._mark_launched(requests, number)
+        feed = self._feed(plan, requests, previous)
         result = execute(plan, feed)
         self._updates = plan.chunks
-        for request in result.requests:
-            request.num_pending += 1
+        took_over = previous is not None and result.requests == previous.result.requests
+        if not took_over:  # else each one's pending token carries over (InFlight.took_over)
+            for request in result.requests:
+                request.num_pending += 1
         tokens = result.device_tokens
         top = self.vocab_size - 1
         if tokens is None:  # sampled at once (a failed batch, isolation.py): read already
             ids = np.clip(np.array(result.token_ids, np.int64), 0, top)  # a failed row's -1
             tokens = torch.from_numpy(ids).to(self.device, non_blocking=True)
-            return InFlight(number, plan.chunks, result, tokens, None, None)
+            return InFlight(number, plan.chunks, result, tokens, None, None, took_over)
         host, event = self._copy_to_host(tokens, number)
         # After the copy, in stream order: the read sees a token outside the vocabulary (a
         # row whose sampling gave none fails its request), the next step's embedding never.
         with torch.inference_mode():  # made under it (runner.py): changed under it
             tokens.clamp_(0, top)
-        return InFlight(number, plan.chunks, result, tokens, host, event)
+        return InFlight(number, plan.chunks, result, tokens, host, event, took_over)
 
-    def _feed(self, chunks: list[Any], previous: InFlight | None) -> Feed:
+    def _mark_launched(self, requests: list[Request], number: int) -> None:
+        """`requests`' blocks are in use until step `number` is done. The same requests as the
+        last launch's (compared by identity, in C: a steady batch) share its mark: bumped."""
+        if requests == self._marked:
+            self._mark.number = number
+            return
+        mark = self._mark = LaunchMark(number)
+        for request in requests:
+            request.launch_mark = mark
+        self._marked = requests
+
+    def _feed(
+        self, plan: SchedulerOutput, launching: list[Request], previous: InFlight | None
+    ) -> Feed:
         """Writes each decode's input id whose token `previous` sampled (not read yet) from
-        its device tensor (clamped into the vocabulary: `_launch`)."""
+        its device tensor (clamped into the vocabulary: `_launch`). `launching`: the
+        requests of `plan`'s chunks, in order."""
         if previous is None:
             return _no_feed
         requests = previous.result.requests
         source = previous.tokens
-        if len(chunks) == len(requests) and list(map(_REQUEST, chunks)) == requests:
+        chunks = plan.chunks
+        if plan.decodes_only and launching == requests:
             # A steady decode batch: the same requests in the same order (compared by
             # identity, in C), each one token: one device op, no index.
-            def feed_all(input_ids: torch.Tensor) -> None:
-                input_ids.copy_(source)
-
-            if all(chunk[2] == 1 for chunk in chunks):
-                return feed_all
+            return FeedEveryRow(source)
         row_of = dict(zip(requests, range(len(requests)), strict=True))
         dst: list[int] = []
         src: list[int] = []
@@ -263,10 +286,11 @@ class Overlap:
         event.record(torch.cuda.current_stream(tokens.device))
         return host, event
 
-    def _read(self, flight: InFlight) -> StepResult:
+    def _read(self, flight: InFlight, handed_on: bool = False) -> StepResult:
         """`flight`'s tokens on the host (the step's one wait), its requests' pending token
-        taken back; a token outside the vocabulary fails its request alone (as
-        sampler._check_token_ids makes the synchronous step do)."""
+        taken back unless `handed_on` (the step launched after it took them over); a token
+        outside the vocabulary fails its request alone (as sampler._check_token_ids makes
+        the synchronous step do)."""
         result = flight.result
         if flight.host is not None:
             if flight.event is not None:
@@ -279,8 +303,9 @@ class Overlap:
                 failed = [r for r, t in pairs if not 0 <= t < vocab]
                 logger.warning("%d sampled token(s) outside the vocabulary", len(failed))
             result = StepResult(result.requests, ids, [None] * len(ids), failed)
-        for request in result.requests:
-            request.num_pending -= 1
+        if not handed_on:
+            for request in result.requests:
+                request.num_pending -= 1
         self._completed(flight.number)
         return result
 

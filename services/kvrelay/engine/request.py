@@ -22,6 +22,17 @@ from kvrelay.common.sampling_params import SamplingParams, check_vocab
 _arrival_counter = itertools.count()
 
 
+class LaunchMark:
+    """The number of the last launched step (async scheduling) that uses the blocks of the
+    requests holding this mark. The requests of a launched batch share one; while the batch
+    stays the same, each launch bumps its number instead of writing every request."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
 
@@ -99,9 +110,10 @@ class Request:
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     # Async scheduling (engine/async_step.py): tokens sampled on the device and not yet read
     # (0 or 1 between steps: the scheduler counts them as known, the runner feeds them from
-    # the device), and the number of the last launched step that uses this sequence's blocks.
+    # the device), and the mark holding the number of the last launched step that uses this
+    # sequence's blocks.
     num_pending: int = 0
-    last_launch: int = 0
+    launch_mark: LaunchMark = field(default_factory=lambda: LaunchMark(0))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,9 +33,23 @@ logger = logging.getLogger(__name__)
 # Async scheduling: writes the decode rows' input ids (a [T] device tensor) from the tokens
 # the previous step sampled, still on the device (engine/async_step.py).
 Feed = Callable[[torch.Tensor], None]
+
+
+class FeedEveryRow(NamedTuple):
+    """A `Feed` that writes every row (a steady decode batch: the previous step sampled the
+    same requests in the same order): the rows' last tokens on the host are not read."""
+
+    source: torch.Tensor  # [T] int64, on the device
+
+    def __call__(self, input_ids: torch.Tensor) -> None:
+        input_ids.copy_(self.source)
+
+
 # ScheduledChunk's fields by position (a NamedTuple), and a request's id.
 _REQUEST, _START = operator.itemgetter(0), operator.itemgetter(1)
 _REQUEST_ID = operator.attrgetter("request_id")
+_PLAIN_GREEDY = operator.attrgetter("plain_greedy")
+_MATCHER = operator.attrgetter("matcher")
 
 
 class CausalLMModel(Protocol):
@@ -208,6 +222,10 @@ class ModelRunner:
             self.uploader = StepUploader(self.device, self.max_blocks_per_seq, max_num_seqs)
         self.graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
         self.counters = COUNTERS  # kernel launches, graph replays, eager steps (counters.py)
+        # The last sampled batch (its requests, in order) and whether all were plain greedy:
+        # a steady batch asks each request once, not every step (Request.plain_greedy never
+        # changes; a grammar's matcher may, so that is read every step).
+        self._greedy_of: tuple[list[Request], bool] = ([], True)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode graphs (cuda_graphs.py) when this model and cache can use them;
@@ -326,11 +344,14 @@ class ModelRunner:
         assert size is not None, "see replays_decodes"
         # Whole-batch passes in C where they can be (map over an item / attribute getter).
         requests: list[Request] = list(map(_REQUEST, chunks))
-        # A decode's one token is its last (an output, or the prompt's when it has none).
-        tokens = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests]
+        if isinstance(feed, FeedEveryRow):
+            tokens = np.zeros(n, np.int64)  # each row's input comes from the device
+        else:  # a decode's one token is its last (an output, or the prompt's when none)
+            last = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests]
+            tokens = np.array(last, np.int64)
         step, pairs = self.uploader.upload_decodes(
             list(map(_REQUEST_ID, requests)),
-            np.array(tokens, np.int64),
+            tokens,
             np.fromiter(map(_START, chunks), np.int64, n),
             self.block_size,
             changed,
@@ -358,7 +379,7 @@ class ModelRunner:
         with `defer_read`, left on the device (read later: engine/async_step.py), unless the
         batched sampling raises: then each row is sampled alone and read now."""
         rows: Sequence[SamplingRow]
-        if all(r.plain_greedy and r.matcher is None for r in requests):
+        if self._plain_greedy_batch(requests):
             rows = GreedyRows(len(requests), lambda i: _sampling_row(requests[i]))
         else:
             rows = [_sampling_row(r) for r in requests]
@@ -375,6 +396,14 @@ class ModelRunner:
             samples = sample_isolating(self.sampler, logits, rows, requests)
         failed = [requests[i] for i in samples.failed]
         return StepResult(requests, samples.token_ids, samples.logprobs, failed, scores)
+
+    def _plain_greedy_batch(self, requests: list[Request]) -> bool:
+        """Whether every request is plain greedy (`Request.plain_greedy`) with no grammar."""
+        batch, greedy = self._greedy_of
+        if requests != batch:  # by identity, in C
+            greedy = all(map(_PLAIN_GREEDY, requests))
+            self._greedy_of = (requests, greedy)
+        return greedy and list(map(_MATCHER, requests)).count(None) == len(requests)
 
 
 def _sampling_row(r: Request) -> SamplingRow:
