@@ -35,11 +35,14 @@ logger = logging.getLogger(__name__)
 Feed = Callable[[torch.Tensor], None]
 
 
-class FeedEveryRow(NamedTuple):
+class FeedEveryRow:
     """A `Feed` that writes every row (a steady decode batch: the previous step sampled the
     same requests in the same order): the rows' last tokens on the host are not read."""
 
-    source: torch.Tensor  # [T] int64, on the device
+    __slots__ = ("source",)
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source = source  # [T] int64, on the device
 
     def __call__(self, input_ids: torch.Tensor) -> None:
         input_ids.copy_(self.source)
