@@ -18,6 +18,7 @@ the model as named in `EngineConfig.model`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -33,14 +34,26 @@ def hash_block_tokens(
 ) -> BlockHash:
     """The hash of one full block whose predecessor's hash is `parent` (see the encoding)."""
     assert len(parent) == 32, "a parent hash is a 32-byte SHA-256 digest"
-    h = hashlib.sha256(parent)
-    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
-    h.update(struct.pack("<I", len(extra_keys)))
+    keys = extra_keys if isinstance(extra_keys, tuple) else tuple(extra_keys)
+    tokens = _tokens_format(len(token_ids)).pack(len(token_ids), *token_ids)
+    # One buffer, one digest call: a decode step hashes every block it fills.
+    return hashlib.sha256(parent + tokens + _keys_suffix(keys)).digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _tokens_format(num_tokens: int) -> struct.Struct:
+    """num_tokens (uint32) then the token ids (int64 each), little-endian."""
+    return struct.Struct(f"<I{num_tokens}q")
+
+
+@functools.lru_cache(maxsize=64)
+def _keys_suffix(extra_keys: tuple[str, ...]) -> bytes:
+    """num_keys (uint32), then each key's byte length (uint32) and UTF-8 bytes."""
+    parts = [struct.pack("<I", len(extra_keys))]
     for key in extra_keys:
         raw = key.encode("utf-8")
-        h.update(struct.pack("<I", len(raw)))
-        h.update(raw)
-    return h.digest()
+        parts += [struct.pack("<I", len(raw)), raw]
+    return b"".join(parts)
 
 
 def extend_block_hashes(

@@ -85,12 +85,17 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The chain hashes of `request`'s first `num_blocks` full blocks (memoized on it)."""
+        return self._hashed(request, num_blocks)[:num_blocks]
+
+    def _hashed(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """`request`'s memo of chain hashes, extended to at least `num_blocks` blocks: only
+        the new blocks' tokens are read."""
         hashes = request.block_hashes
         if len(hashes) < num_blocks:
             size = self.block_size
             tokens = request.token_ids(len(hashes) * size, num_blocks * size)
             extend_block_hashes(hashes, tokens, size, self.extra_keys)
-        return hashes[:num_blocks]
+        return hashes
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The blocks of the longest cached prefix of `request`'s tokens. Changes nothing.
@@ -222,8 +227,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         table = self._tables[rid]
-        self.block_hashes(request, num_full)
-        hashes = request.block_hashes  # the memo itself: no copy of the whole chain
+        hashes = self._hashed(request, num_full)  # the memo itself: no copy of the chain
         for index in range(done, num_full):
             self.pool.cache_block(table[index], hashes[index])
         self._num_cached[rid] = num_full
