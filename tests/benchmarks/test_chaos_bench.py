@@ -33,6 +33,7 @@ def value(report: str, label: str) -> str:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.alone  # its killed worker must serve again within 30 s (Makefile: RUN_SUITE)
 def test_chaos_smoke_run(default_model_dir: Path) -> None:
     command = [
         sys.executable, str(SCRIPT), "--minutes", "0.2", "--every", "5", "--max-tokens", "16",

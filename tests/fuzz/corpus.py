@@ -11,11 +11,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.api.body_limit import DEFAULT_MAX_BODY_BYTES
 from kvrelay.v1 import generation_pb2 as pb
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-MAX_BODY_BYTES = 4 * 1024 * 1024  # the server's default --max-body-bytes
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES  # the server's default --max-body-bytes
 
 # An expected `param`: None (body-level error), an exact field path, "messages*" for
 # "messages" or any "messages.<...>" path, or a tuple of such alternatives.

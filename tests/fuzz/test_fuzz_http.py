@@ -28,7 +28,8 @@ from tests.fuzz.strategies import (
 from tests.fuzz.wire import HttpAnswer, check_http, check_param_rule, send, strict_object
 from tests.servers import ServerProcess
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# alone: /health and kill-recovery bounds in wall time (Makefile: RUN_SUITE).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.alone]
 PATHS = [COMPLETIONS, CHAT]
 
 
