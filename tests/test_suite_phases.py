@@ -34,7 +34,12 @@ def test_the_wall_time_bounded_tests_are_marked_alone() -> None:
         if "guarded(" in path.read_text()
     )
     assert fuzz_guarded, "no fuzz test uses the /health guard any more: update this test"
-    expected = {*fuzz_guarded, "tests/chaos/test_chaos.py", "tests/benchmarks/test_chaos_bench.py"}
+    expected = {
+        *fuzz_guarded,
+        "tests/chaos/test_chaos.py",
+        "tests/benchmarks/test_chaos_bench.py",
+        "tests/worker/test_ray_listeners.py",
+    }
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "alone", *sorted(expected)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
