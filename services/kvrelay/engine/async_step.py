@@ -81,9 +81,9 @@ class InFlight(NamedTuple):
     tokens: torch.Tensor  # [len(requests)] int64 on the device: the next step's inputs
     host: torch.Tensor | None  # their host copy (pinned on CUDA); None when already read
     event: Any  # torch.cuda.Event recorded after the copy; None on the CPU
-    # Its sampled requests are the step before's, in the same order (a steady decode batch):
-    # each one's pending token of that step stands for this one's, so neither the launch
-    # counted nor the read of that step uncounts it (`Request.num_pending`, per row).
+    # A steady decode batch (the step before's sampled requests, in the same order): each
+    # one's pending token of that step stands for this one's, so neither the launch counted
+    # nor the read of that step uncounts it (`Request.num_pending`, per row).
     took_over: bool = False
 
 
@@ -200,11 +200,17 @@ class Overlap:
         number = self.launched = self.launched + 1
         requests = list(map(_REQUEST, plan.chunks))
         self._mark_launched(requests, number)
-        feed = self._feed(plan, requests, previous)
+        # A steady decode batch: the requests `previous` sampled, in the same order (compared
+        # by identity, in C), each one token. Its inputs come from `previous`'s tokens in one
+        # device op, and it takes their pending counts over (InFlight.took_over).
+        feed: Feed
+        if previous is not None and plan.decodes_only and requests == previous.result.requests:
+            took_over, feed = True, FeedEveryRow(previous.tokens)
+        else:
+            took_over, feed = False, self._feed(plan, previous)
         result = execute(plan, feed)
         self._updates = plan.chunks
-        took_over = previous is not None and result.requests == previous.result.requests
-        if not took_over:  # else each one's pending token carries over (InFlight.took_over)
+        if not took_over:  # else each one's pending token carries over
             for request in result.requests:
                 request.num_pending += 1
         tokens = result.device_tokens
@@ -231,21 +237,15 @@ class Overlap:
             request.launch_mark = mark
         self._marked = requests
 
-    def _feed(
-        self, plan: SchedulerOutput, launching: list[Request], previous: InFlight | None
-    ) -> Feed:
+    def _feed(self, plan: SchedulerOutput, previous: InFlight | None) -> Feed:
         """Writes each decode's input id whose token `previous` sampled (not read yet) from
-        its device tensor (clamped into the vocabulary: `_launch`). `launching`: the
-        requests of `plan`'s chunks, in order."""
+        its device tensor (clamped into the vocabulary: `_launch`), row by row (a steady
+        batch takes FeedEveryRow instead)."""
         if previous is None:
             return _no_feed
         requests = previous.result.requests
         source = previous.tokens
         chunks = plan.chunks
-        if plan.decodes_only and launching == requests:
-            # A steady decode batch: the same requests in the same order (compared by
-            # identity, in C), each one token: one device op, no index.
-            return FeedEveryRow(source)
         row_of = dict(zip(requests, range(len(requests)), strict=True))
         dst: list[int] = []
         src: list[int] = []
