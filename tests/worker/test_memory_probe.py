@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +90,43 @@ def test_a_worker_writes_its_probe_lines(
         assert line["sizes"]["engine.kv_cache._tables"] == 0
     finally:
         worker.shutdown()
+    # Shut down, the worker's probe is gone: it neither outlives it nor writes on.
+    assert worker.memory_probe is not None and not worker.memory_probe.thread.is_alive()
+    written = len(_lines(path))
+    time.sleep(0.5)
+    assert len(_lines(path)) == written
+
+
+def test_a_census_never_breaks_a_tuple_another_thread_is_building() -> None:
+    """gc.get_objects() returns a tuple that tuple(<generator>) is still filling; a census
+    holding it when the builder shrinks it made the builder raise SystemError (seen in CI,
+    in the engine's step, with a probe left running by an earlier test). Unpaused, this
+    failed within a few tuples."""
+    held = [list(range(4)) for _ in range(200_000)]  # a census of tens of ms
+    stop = threading.Event()
+    census_runs = 0
+
+    def census() -> None:
+        nonlocal census_runs
+        while not stop.is_set():
+            object_census()
+            census_runs += 1
+
+    thread = threading.Thread(target=census, daemon=True)
+    thread.start()
+    built = 0
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            # A generator that gives the census thread its turn mid-build (torch releases
+            # the GIL), and no length hint: the tuple is made big and shrunk at the end.
+            assert len(tuple(torch.zeros(2).to(torch.int64) for _ in range(3))) == 3
+            built += 1
+    finally:
+        stop.set()
+        thread.join(30)
+    assert census_runs >= 3 and built > 100, (census_runs, built)
+    del held
 
 
 def _lines(path: Path) -> list[dict[str, object]]:

@@ -197,7 +197,8 @@ MEMORY_PROBE = EnvVar(
     "",
     "each worker appends a JSON line of its memory (smaps, glibc's heap, live objects, "
     "per-request structures) to `memory-<pid>.jsonl` there (`worker/memory_probe.py`; "
-    "`benchmarks/memory_soak.py --probe`)",
+    "`benchmarks/memory_soak.py --probe`); the live-object count pauses the worker's other "
+    "threads while it runs (tens of ms per million objects)",
     unset="unset: no probe",
 )
 MEMORY_PROBE_S = EnvVar(

@@ -114,7 +114,8 @@ class EngineWorker:
         self.state = DrainState.SERVING
         if own_process:
             freeze_start_up_objects()
-        start_probe(lambda: self._probe_sizes())  # only with $KVRELAY_MEMORY_PROBE set
+        # Only with $KVRELAY_MEMORY_PROBE set; stopped by `shutdown`.
+        self.memory_probe = start_probe(lambda: self._probe_sizes())
 
     def _probe_sizes(self) -> dict[str, int]:
         """The memory probe's view of this worker: its per-request structures' sizes and
@@ -221,6 +222,8 @@ class EngineWorker:
         return self.loop.is_alive()
 
     def shutdown(self) -> None:
+        if self.memory_probe is not None:
+            self.memory_probe.stop()
         self.channels.close()
         self.loop.shutdown()
         if self.connector is not None:

@@ -10,16 +10,18 @@ A diagnostic: it never frees or changes anything it looks at (worker/heap_trim.p
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +91,12 @@ def object_census(top: int = 15) -> dict[str, Any]:
     among them (count, bytes of their storages, each storage once). A worker's start-up
     objects (the model's weights among them) are frozen out of the collector's sight
     (engine_builder.freeze_start_up_objects), so there it counts what came after: what a
-    leak would add to."""
+    leak would add to. Other threads are paused meanwhile (`_other_threads_paused`)."""
+    with _CENSUS_LOCK, _other_threads_paused():
+        return _census(top)  # its frame, and every reference it took, is gone on return
+
+
+def _census(top: int) -> dict[str, Any]:
     counts: collections.Counter[str] = collections.Counter()
     storages: dict[int, int] = {}
     objects = gc.get_objects()
@@ -110,6 +117,36 @@ def object_census(top: int = 15) -> dict[str, Any]:
         "tensors": len(found),
         "tensor_bytes": sum(storages.values()),
     }
+
+
+# While the census holds gc.get_objects()' list, no forced thread switch: it is far longer
+# than a census takes (tens of ms at a million objects).
+_PAUSED_SWITCH_INTERVAL_S = 1000.0
+_CENSUS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _other_threads_paused() -> Iterator[None]:
+    """Keep the GIL on this thread: no other Python thread runs until the block ends.
+
+    gc.get_objects() hands out objects still being built, among them a tuple another thread
+    is filling from a generator. CPython shrinks such a tuple in place at the end, which it
+    refuses (SystemError "bad argument to internal function") while anything else holds a
+    reference: a census that let that thread run while it held the list crashed the engine's
+    step in CI. So no forced switch while the census runs, and no collection either (a
+    finalizer doing I/O would release the GIL). A thread that was already waiting for the
+    GIL waits out its old interval once (the sleep) before the census starts."""
+    interval = sys.getswitchinterval()
+    collecting = gc.isenabled()
+    sys.setswitchinterval(_PAUSED_SWITCH_INTERVAL_S)
+    try:
+        time.sleep(2 * interval)
+        gc.disable()
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+        sys.setswitchinterval(interval)
 
 
 class TracemallocGrowth:
@@ -169,12 +206,29 @@ def probe_line(sizes: Sizes | None, growth: TracemallocGrowth | None) -> dict[st
     return record
 
 
+class RunningProbe:
+    """A probe thread; `stop` ends it (a worker's shutdown does: otherwise it would outlive
+    the worker, keep it alive and keep writing)."""
+
+    def __init__(self, run: Callable[[threading.Event], None]) -> None:
+        self._stopping = threading.Event()
+        self.thread = threading.Thread(
+            target=run, args=(self._stopping,), name="memory-probe", daemon=True
+        )
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
+
+
 def start_probe(
     sizes: Sizes | None = None, environ: Mapping[str, str] | None = None
-) -> threading.Thread | None:
+) -> RunningProbe | None:
     """With $KVRELAY_MEMORY_PROBE set, a daemon thread appending `probe_line`s to
-    memory-<pid>.jsonl in that directory every $KVRELAY_MEMORY_PROBE_S seconds (default 30);
-    None when it is unset."""
+    memory-<pid>.jsonl in that directory every $KVRELAY_MEMORY_PROBE_S seconds (default 30)
+    until stopped; None when it is unset."""
     directory = env.MEMORY_PROBE.get(environ).strip()
     if not directory:
         return None
@@ -191,20 +245,20 @@ def start_probe(
     tracing = env.MEMORY_PROBE_TRACEMALLOC.get(environ) == "1"
     growth = TracemallocGrowth() if tracing else None
 
-    def run() -> None:
-        while True:
+    def run(stopping: threading.Event) -> None:
+        while not stopping.is_set():
             try:
                 line = json.dumps(probe_line(sizes, growth))
                 with open(path, "a") as out:
                     out.write(line + "\n")
             except Exception:
                 logger.exception("memory probe failed; it stops")
-                return
-            time.sleep(period)
+                break
+            stopping.wait(period)
+        if growth is not None:
+            growth.stop()
 
-    thread = threading.Thread(target=run, name="memory-probe", daemon=True)
-    thread.start()
-    return thread
+    return RunningProbe(run)
 
 
 # A worker's per-request structures, as dotted paths from the EngineWorker: each should come
