@@ -8,7 +8,7 @@ import torch
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import build_batch_inputs, padded_block_table
-from kvrelay.engine.scheduler import ScheduledChunk
+from kvrelay.engine.scheduled import ScheduledChunk
 
 BLOCK = 4
 

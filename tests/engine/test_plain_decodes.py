@@ -1,4 +1,5 @@
-"""The scheduler's whole-batch plain decodes (engine/plain_decodes.py): the same plans, step
+"""The scheduler's whole-batch plain decodes (engine/plain_decodes.py), with pure decode steps
+counted computed the short way (`update_after_step(decodes_only=True)`): the same plans, step
 for step, as the per-request path alone, over random workloads that preempt, fork, share
 prefixes, finish requests mid-batch and (async scheduling) count tokens still in flight."""
 
@@ -16,7 +17,8 @@ from kvrelay.engine import plain_decodes
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.plain_decodes import PlainDecodeFinder
 from kvrelay.engine.request import Request, RequestStatus
-from kvrelay.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvrelay.engine.scheduled import ScheduledChunk, SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
 
 BLOCK = 4
 
@@ -39,6 +41,12 @@ class Twin:
     inflight: list[ScheduledChunk] = field(default_factory=list)  # async: sampled, not read
     plain_rows: int = 0  # rows the finder called plain
     appended_rows: int = 0  # plain rows whose token opened a block (append_blocks)
+    decode_updates: int = 0  # pure decode steps counted computed the short way
+
+    def update(self, out: SchedulerOutput) -> None:
+        short = self.plain and out.decodes_only
+        self.decode_updates += short
+        self.scheduler.update_after_step(out.chunks, decodes_only=short)
 
     def __post_init__(self) -> None:
         finder = self.scheduler._plain_decodes
@@ -114,7 +122,7 @@ def _step(twin: Twin, overlap: bool) -> SchedulerOutput:
     s = twin.scheduler
     out = s.schedule()
     if not overlap:
-        s.update_after_step(out.chunks)
+        twin.update(out)
         _append(twin, out.chunks)
         return out
     for chunk in out.chunks:
@@ -125,7 +133,7 @@ def _step(twin: Twin, overlap: bool) -> SchedulerOutput:
         if chunk.samples:
             chunk.request.num_pending -= 1
     _append(twin, previous)
-    s.update_after_step(out.chunks)
+    twin.update(out)
     return out
 
 
@@ -169,6 +177,7 @@ def test_plain_decodes_plan_every_step_as_the_per_request_path(seed: int, overla
     if budget >= max_seqs:  # every decode fits the budget: the plain path is taken
         assert twins[0].plain_rows > 20, "the workload never reached the plain decode path"
         assert twins[0].appended_rows > 5, "no decode opened a block on the plain path"
+    assert twins[0].decode_updates > 10, "no pure decode step was counted the short way"
     for twin in twins:
         twin.scheduler.kv_cache.pool.check_invariants()
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.scheduler import SchedulerOutput
+from kvrelay.engine.scheduled import SchedulerOutput
 from tests.engine.conftest import TINY_VOCAB, EngineFactory, assert_pool_whole, run_to_completion
 
 

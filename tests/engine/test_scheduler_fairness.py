@@ -17,7 +17,8 @@ from kvrelay.engine import fair_share
 from kvrelay.engine.fair_share import Shares
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.request import Request, RequestStatus
-from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.scheduled import SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
 
 _arrivals = itertools.count()
 

@@ -35,7 +35,8 @@ import torch
 from kvrelay.config import EngineConfig
 from kvrelay.engine.request import LaunchMark, Request
 from kvrelay.engine.runner import Feed, FeedEveryRow, ModelRunner, StepResult
-from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.scheduled import SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 _REQUEST = operator.itemgetter(0)  # a ScheduledChunk's request
@@ -104,7 +105,7 @@ class Overlap:
         self._events: list[Any] = [None, None]  # each buffer's copy's event
         # `running` and `waiting` when each was last found free of host-bound requests.
         self._checked: list[list[Request]] = [[], []]
-        self._updates: list[Any] = []  # chunks launched, counted computed after the read
+        self._updates: SchedulerOutput | None = None  # launched; counted computed after the read
         # The requests of the last launch's chunks, in order, and the mark they share.
         self._marked: list[Request] = []
         self._mark = LaunchMark(0)
@@ -168,9 +169,9 @@ class Overlap:
         """The read step's tokens are appended: the launched step's chunks now count as
         computed (their blocks' hashes need those tokens); with nothing left to run, the
         launched step is waited for, so that every block is back in the pool."""
-        updates, self._updates = self._updates, []
-        if updates:
-            self.scheduler.update_after_step(updates)
+        plan, self._updates = self._updates, None
+        if plan is not None:
+            self.scheduler.update_after_step(plan.chunks, decodes_only=plan.decodes_only)
         if self.inflight is not None and not self.scheduler.num_unfinished:
             self.drain()
 
@@ -209,7 +210,7 @@ class Overlap:
         else:
             took_over, feed = False, self._feed(plan, previous)
         result = execute(plan, feed)
-        self._updates = plan.chunks
+        self._updates = plan
         if not took_over:  # else each one's pending token carries over
             for request in result.requests:
                 request.num_pending += 1
@@ -313,7 +314,7 @@ class Overlap:
         """The launch failed (its batch aborted by `execute`): the step in flight is waited
         for and its requests aborted too (their tokens are never read)."""
         self.inflight = None
-        self._updates = []
+        self._updates = None
         if previous is not None:
             self._read(previous)
             for request in previous.result.requests:

@@ -29,8 +29,9 @@ from kvrelay.engine.request import Request, RequestStatus, validate_prompt
 from kvrelay.engine.resume import check_resume, resume
 from kvrelay.engine.runner import CausalLMModel, Feed, ModelRunner, StepResult
 from kvrelay.engine.sampler import Sampler, skip_seeded_draws
-from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
-from kvrelay.engine.step_outputs import Rows, append_sampled
+from kvrelay.engine.scheduled import SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.step_outputs import Rows, SteadyRows, append_sampled
 from kvrelay.engine.warm_up import warm_up
 from kvrelay_kernels import jit_watch
 
@@ -91,6 +92,7 @@ class Engine:
         )
         self._parents: dict[str, ParentRequest] = {}
         self._owner: dict[str, tuple[ParentRequest, int]] = {}
+        self._steady_rows = SteadyRows()  # a steady batch's tokens appended in C
         # Requests finished outside a step (a failed hand-off, a stop at the handed-off first
         # token): the next `step` returns their final outputs.
         self._finished_outside_step: dict[str, ParentRequest] = {}
@@ -317,6 +319,7 @@ class Engine:
             finish=self.scheduler.finish,
             fast=self.role is not Role.PREFILL,  # a prefill engine leases each one's KV
             rows=rows,
+            steady=self._steady_rows,
         )
         self._generation_tokens += appended
         touched.update(sampled)
@@ -357,7 +360,7 @@ class Engine:
                 self.abort(parent_id)
             raise
         if feed is None:
-            self.scheduler.update_after_step(plan.chunks)
+            self.scheduler.update_after_step(plan.chunks, decodes_only=plan.decodes_only)
         return result
 
     def _abort_sample(self, request: Request) -> None:

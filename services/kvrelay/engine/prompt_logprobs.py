@@ -20,7 +20,7 @@ from kvrelay.common.messages import PromptLogprob
 from kvrelay.engine.request import Request
 
 if TYPE_CHECKING:  # the scheduler imports this module
-    from kvrelay.engine.scheduler import ScheduledChunk
+    from kvrelay.engine.scheduled import ScheduledChunk
 
 # Rows of logits made at once: [rows, vocab] fp32 (a 2k-token chunk of a 150k vocabulary at
 # once would be 1.2 GB).

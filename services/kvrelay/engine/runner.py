@@ -22,7 +22,7 @@ from kvrelay.engine.isolation import sample_isolating
 from kvrelay.engine.prompt_logprobs import PromptScores, score_prompts, scored_rows
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import GreedyRows, SampleLogprobs, Sampler, SamplingRow
-from kvrelay.engine.scheduler import ScheduledChunk
+from kvrelay.engine.scheduled import ScheduledChunk
 from kvrelay.engine.step_upload import StepUploader
 from kvrelay.models.inputs import AttentionInputs
 from kvrelay_kernels import AttentionBackend
