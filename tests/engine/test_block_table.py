@@ -81,24 +81,28 @@ def test_incremental_table_equals_a_full_rebuild(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_rewriting_only_the_changed_rows_equals_a_full_rebuild(seed: int) -> None:
-    """`update_changed` (told which tables changed) and `update` (given every table), mixed
-    at random over the same table: after each step the gathered tables equal the rebuilt
-    ones, zeros included, and the mirror equals the device."""
+    """`update_changed` (told which tables changed, and which only grew by one block) and
+    `update` (given every table), mixed at random over the same table: after each step the
+    gathered tables equal the rebuilt ones, zeros included, and the mirror equals the device."""
     rng = random.Random(seed)
     max_blocks = 10
     table = DeviceBlockTable(rows=1, max_blocks=max_blocks, device=torch.device("cpu"))
     live: dict[str, list[int]] = {}
     changed: set[str] = set()
+    appended: set[str] = set()  # grown by one block only, as kv_cache_manager tells them
     blocks = iter(range(1, 10_000))
     partial = full = 0
+    appends = _count_appends(table)
     for step in range(80):
         op = rng.choice(["add", "grow", "grow", "grow", "finish", "preempt", "fork", "none"])
         rid = rng.choice(sorted(live)) if live else None
+        one_more = False
         if op == "add" or rid is None:
             rid = f"r{step}"
             live[rid] = [next(blocks) for _ in range(rng.randint(1, 5))]
         elif op == "grow" and len(live[rid]) < max_blocks:
             live[rid].append(next(blocks))
+            one_more = True
         elif op == "finish":
             del live[rid]
         elif op == "preempt":  # freed, then re-allocated shorter or longer
@@ -106,25 +110,68 @@ def test_rewriting_only_the_changed_rows_equals_a_full_rebuild(seed: int) -> Non
         elif op == "fork":  # the parent's blocks, then its own copy of the last one
             live[rid + "f"] = [*live[rid][:-1], next(blocks)]
             rid += "f"
-        changed.add(rid)
+        if one_more and rid not in appended | changed:
+            appended.add(rid)
+        else:  # grown twice, or changed otherwise: compared and rewritten
+            changed.add(rid)
         if not live:
             continue
         ids = [r for r in sorted(live) if rng.random() > 0.2] or sorted(live)[:1]
         rng.shuffle(ids)
         if rng.random() < 0.7:
-            update, width = table.update_changed(ids, changed, live.__getitem__)
+            update, width = table.update_changed(ids, changed, live.__getitem__, appended - changed)
             partial += 1
         else:
             update, width = table.update(ids, [live[i] for i in ids]), 0
             full += 1
-        changed = set()
+        changed, appended = set(), set()
         table.apply(torch.from_numpy(update.write_index), torch.from_numpy(update.write_value))
         longest = max(len(live[i]) for i in ids)
         assert width in (0, longest)
         got = table.gather(torch.from_numpy(update.rows), longest)
         assert torch.equal(got, _rebuild([live[i] for i in ids], longest))
         assert np.array_equal(table.table.numpy(), table._mirror)
+    assert appends[0] >= 3, "no row took the one-block way"
     assert partial > 20 and full > 5
+
+
+def test_a_table_told_appended_that_is_not_one_block_longer_is_rewritten() -> None:
+    """The one-block way writes only a table exactly one block longer than its row (else
+    its row is compared and rewritten: exact either way)."""
+    table = DeviceBlockTable(rows=2, max_blocks=6, device=torch.device("cpu"))
+    appends = _count_appends(table)
+    live = {"a": [3, 4], "b": [7]}
+
+    def step(appended: set[str]) -> Any:
+        update, width = table.update_changed(["a", "b"], set(), live.__getitem__, appended)
+        table.apply(torch.from_numpy(update.write_index), torch.from_numpy(update.write_value))
+        return update, width
+
+    step(set())
+    live["a"].append(5)
+    live["b"] = [8, 9, 10]  # told appended, but rewritten and two blocks longer
+    update, width = step({"a", "b"})
+    assert appends == [0] and width == 3
+    assert sorted(update.write_value.tolist()) == [5, 8, 9, 10]
+    live["a"].append(6)
+    update, width = step({"a"})
+    assert appends == [1] and update.write_value.tolist() == [6] and width == 4
+    got = table.gather(torch.from_numpy(update.rows), 4)
+    assert got.tolist() == [[3, 4, 5, 6], [8, 9, 10, 0]]
+
+
+def _count_appends(table: DeviceBlockTable) -> list[int]:
+    """Counts the rows `update_changed` wrote the one-block way (in a list it keeps)."""
+    count = [0]
+    append = table._append
+
+    def counted(request_ids: list[str], table_of: Any) -> Any:
+        written = append(request_ids, table_of)
+        count[0] += 0 if written is None else len(request_ids)
+        return written
+
+    table._append = counted  # type: ignore[method-assign]
+    return count
 
 
 def test_only_changed_and_newly_placed_rows_are_read() -> None:

@@ -6,7 +6,8 @@ from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.kv_cache.kv_cache_manager import KVCacheManager
 from kvrelay.engine.request import Request, RequestStatus
-from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.scheduled import SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
 
 
 def make_request(rid: str, prompt_len: int, *, priority: int = 0, arrival: float = 0.0) -> Request:
@@ -296,20 +297,38 @@ def test_decode_fits_answers_as_allocate_slots_would() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     assert not kv.decode_fits("x", 0)  # no table yet
     assert kv.allocate_slots("x", 6)
-    assert kv.take_changed() == {"x"}
+    assert kv.take_changed().changed == {"x"}
     assert kv.decode_fits("x", 6) and kv.decode_fits("x", 7)
     assert not kv.decode_fits("x", 8)  # a third block is needed
     assert kv.allocate_slots("x", 7, num_computed_tokens=6)  # fits: nothing changes
-    assert kv.take_changed() == set()
+    assert kv.take_changed().changed == set()
     kv.fork("x", "y")  # y shares x's partial last block: neither may write it in place
-    assert kv.take_changed() == {"y"}
+    assert kv.take_changed().changed == {"y"}
     assert not kv.decode_fits("x", 6) and not kv.decode_fits("y", 6)
     assert kv.allocate_slots("y", 7, num_computed_tokens=6)  # copy-on-write
-    assert kv.take_copies() and kv.take_changed() == {"y"}
+    assert kv.take_copies() and kv.take_changed().changed == {"y"}
     assert kv.decode_fits("x", 6) and kv.decode_fits("y", 6)
     assert kv.allocate_slots("x", 20, num_computed_tokens=6)  # blocks ahead of the token
     assert kv.decode_fits("x", 8) and kv.decode_fits("x", 12)
     kv.free("x")
-    assert kv.take_changed() == {"x"} and not kv.decode_fits("x", 6)
+    assert kv.take_changed().changed == {"x"} and not kv.decode_fits("x", 6)
     kv.free("x")  # already freed: nothing changed
-    assert kv.take_changed() == set()
+    assert kv.take_changed().changed == set()
+
+
+def test_a_table_one_block_longer_is_told_apart_from_other_changes() -> None:
+    """`append_blocks` (a decode opening a block) is `take_changed`'s `appended`: the
+    runner writes that one block. Appended twice, or changed otherwise as well, it is among
+    `changed` only (its row compared and rewritten)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    for rid in ("a", "b", "c"):
+        assert kv.allocate_slots(rid, 4)
+    kv.take_changed()
+    kv.append_blocks(["a", "b"])
+    assert kv.take_changed() == (set(), {"a", "b"})
+    kv.append_blocks(["a"])
+    kv.append_blocks(["a", "b"])
+    assert kv.allocate_slots("b", 16, num_computed_tokens=12)  # grown again, row by row
+    kv.append_blocks(["c"])
+    assert kv.take_changed() == ({"a", "b"}, {"c"})
+    assert [len(kv.block_table(rid)) for rid in ("a", "b", "c")] == [4, 4, 2]

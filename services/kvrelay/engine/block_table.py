@@ -20,6 +20,7 @@ rest of the step (staging.py) and calls `apply` with the device copies, then `ga
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ class TableUpdate:
     write_value: npt.NDArray[np.int32]
 
 
+_LAST = operator.itemgetter(-1)
 _NO_INDEX = np.zeros(0, np.int64)
 _NO_VALUE = np.zeros(0, np.int32)
 
@@ -111,30 +113,71 @@ class DeviceBlockTable:
         return TableUpdate(rows, write_index, write_value)
 
     def update_changed(
-        self, request_ids: Sequence[str], changed: Set[str], table_of: Callable[[str], list[int]]
+        self,
+        request_ids: Sequence[str],
+        changed: Set[str],
+        table_of: Callable[[str], list[int]],
+        appended: Set[str] = frozenset(),
     ) -> tuple[TableUpdate, int]:
         """`update` without the step's tables: only the rows of requests in `changed` (their
         table changed since the last step: kv_cache_manager's `take_changed`) and of requests
-        given a row now are compared and rewritten, from `table_of(request_id)`. Exact as
-        long as every table change since the last update is in `changed`: a row kept from
-        the last step holds its request's table.
+        given a row now are compared and rewritten, from `table_of(request_id)`; a row of
+        one in `appended` (its table only one block longer since: a decode opening a block)
+        gets that block, nothing compared. Exact as long as every table change since the last
+        update is in `changed` or `appended`: a row kept from the last step holds its
+        request's table.
 
         Returns:
             The update, and the step's width: its longest table, in blocks.
         """
         rows = self._rows(request_ids)
         row_of = self._row_of
-        stale = [r for r in dict.fromkeys((*changed, *self._new_ids)) if r in row_of]
-        self._new_ids = []
-        write_index, write_value = _NO_INDEX, _NO_VALUE
+        new_ids, self._new_ids = self._new_ids, []
+        stale = [r for r in dict.fromkeys((*changed, *new_ids)) if r in row_of]
+        writes = []
+        grown = [r for r in appended if r in row_of and r not in changed]
+        if grown and new_ids:
+            placed = set(new_ids)  # a row given now holds nothing of its table yet
+            grown = [r for r in grown if r not in placed]
+        if grown:
+            written = self._append(grown, table_of)
+            if written is None:  # not as told: compared and rewritten instead
+                stale += grown
+            else:
+                writes.append(written)
         if stale:
             tables = [table_of(request_id) for request_id in stale]
             padded = _padded(tables)
             self._check_width(padded, stale, tables)
             stale_rows = np.fromiter(map(row_of.__getitem__, stale), np.int64, len(stale))
-            write_index, write_value = self._rewrite(stale_rows, padded, tables)
+            writes.append(self._rewrite(stale_rows, padded, tables))
         width = int(self._extent[rows].max(initial=0))
-        return TableUpdate(rows, write_index, write_value), width
+        if not writes:
+            return TableUpdate(rows, _NO_INDEX, _NO_VALUE), width
+        if len(writes) == 1:
+            return TableUpdate(rows, *writes[0]), width
+        index, value = (np.concatenate(parts) for parts in zip(*writes, strict=True))
+        return TableUpdate(rows, index, value), width
+
+    def _append(
+        self, request_ids: list[str], table_of: Callable[[str], list[int]]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]] | None:
+        """Each request's last block written after its row's entries: the flat indices and
+        values written; None, having written nothing, unless every table is one block longer
+        than its row and within `max_blocks`."""
+        n = len(request_ids)
+        tables = [table_of(request_id) for request_id in request_ids]
+        rows = np.fromiter(map(self._row_of.__getitem__, request_ids), np.int64, n)
+        lengths = np.fromiter(map(len, tables), np.int64, n)
+        if int(lengths.max()) > self.max_blocks or not np.array_equal(
+            self._extent[rows] + 1, lengths
+        ):
+            return None
+        write_index = rows * self.max_blocks + lengths - 1
+        write_value = np.fromiter(map(_LAST, tables), np.int32, n)
+        self._mirror.reshape(-1)[write_index] = write_value
+        self._extent[rows] = lengths
+        return write_index, write_value
 
     def _check_width(
         self, padded: npt.NDArray[Any], request_ids: Sequence[str], tables: Sequence[list[int]]

@@ -343,11 +343,11 @@ class Engine:
         """Run `plan`; with `feed` (async_step.py) its tokens stay on the device and its
         chunks are counted computed later, by the overlap."""
         kv_cache, runner = self.kv_cache, self.runner
-        changed = kv_cache.take_changed()  # every step: the runner's tables stay exact
+        changed, appended = kv_cache.take_changed()  # every step: the tables stay exact
         try:
             if plan.decodes_only and runner.replays_decodes(len(plan.chunks)):
                 result = runner.execute_decodes(
-                    plan.chunks, kv_cache.block_table, changed, plan.copies, feed
+                    plan.chunks, kv_cache.block_table, changed, plan.copies, feed, appended
                 )
             else:
                 tables = [kv_cache.block_table(c.request.request_id) for c in plan.chunks]

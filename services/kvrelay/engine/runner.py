@@ -335,11 +335,13 @@ class ModelRunner:
         changed: Set[str],
         copies: Sequence[tuple[int, int]] = (),
         feed: Feed | None = None,
+        appended: Set[str] = frozenset(),
     ) -> StepResult:
         """`execute` of a pure decode step (every chunk one token that samples, no forks;
         `replays_decodes` True): the inputs built with numpy from the persistent block table
-        (only the rows of requests in `changed` read from `table_of`), uploaded in one copy,
-        and a graph replayed; no plan, no per-request table, no logits gather. `feed`: as
+        (only the rows of requests in `changed` read from `table_of`, and the last block of
+        those in `appended`: kv_cache_manager's `take_changed`), uploaded in one copy, and a
+        graph replayed; no plan, no per-request table, no logits gather. `feed`: as
         `execute`'s."""
         assert self.uploader is not None and self.graphs is not None, "see replays_decodes"
         n = len(chunks)
@@ -360,6 +362,7 @@ class ModelRunner:
             changed,
             table_of,
             copies,
+            appended,
         )
         if feed is not None:
             feed(step.input_ids)

@@ -96,17 +96,19 @@ class StepUploader:
         changed: Set[str],
         table_of: Callable[[str], list[int]],
         copies: Sequence[tuple[int, int]] = (),
+        appended: Set[str] = frozenset(),
     ) -> tuple[DecodeTensors, tuple[torch.Tensor, torch.Tensor] | None]:
         """A pure decode step (`tokens[i]` at `positions[i]` of request `request_ids[i]`) on
         the device in one copy, built with numpy from the persistent block table: only the
         rows of requests in `changed` (kv_cache_manager's `take_changed`) or new to the
-        table are read from `table_of`. No host tensor and no plan: a graph replays it.
+        table are read from `table_of`, and the last block of those in `appended`. No host
+        tensor and no plan: a graph replays it.
 
         Returns:
             The step's inputs, and the copy-on-write pairs' sources and destinations (int64,
             on the device, in the same copy) or None without copies.
         """
-        update, width = self.table.update_changed(request_ids, changed, table_of)
+        update, width = self.table.update_changed(request_ids, changed, table_of, appended)
         rows = update.rows
         column, offset = np.divmod(positions, block_size)
         slots = self.table.blocks_at(rows, column).astype(np.int64) * block_size + offset

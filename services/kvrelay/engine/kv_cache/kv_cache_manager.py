@@ -10,6 +10,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +36,14 @@ class PrefixCacheStats:
 
     queries: int = 0  # tokens of every admitted request (prompt + output, when recomputed)
     hits: int = 0  # of those, tokens found in the cache (not computed again)
+
+
+class TableChanges(NamedTuple):
+    """`take_changed`'s answer: tables changed in any way, and tables only one block longer
+    (not among the first)."""
+
+    changed: set[str]
+    appended: set[str]
 
 
 class KVCacheManager:
@@ -67,6 +76,8 @@ class KVCacheManager:
         # Requests whose table changed (grown, a block replaced, created, freed) since the
         # last `take_changed`: the runner's persistent batch rewrites only their rows.
         self._changed: set[str] = set()
+        # Those whose table only grew by one block (`append_blocks`): one entry each.
+        self._appended: set[str] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -207,7 +218,9 @@ class KVCacheManager:
         tables = self._tables
         for request_id, block in zip(request_ids, new_blocks, strict=True):
             tables[request_id].append(block)
-        self._changed.update(request_ids)
+        appended = self._appended
+        self._changed.update(appended.intersection(request_ids))  # a second block: rewrite
+        appended.update(request_ids)
 
     def _fits_unshared(self, table: list[int], num_total: int, num_computed: int) -> bool:
         """Whether the table already holds `num_total` tokens and every block written from
@@ -248,11 +261,13 @@ class KVCacheManager:
         self._copies.clear()
         return copies
 
-    def take_changed(self) -> set[str]:
+    def take_changed(self) -> TableChanges:
         """The requests whose table changed since the last call (each table's blocks may have
-        grown, been replaced by a copy-on-write block, been created or freed)."""
+        grown, been replaced by a copy-on-write block, been created or freed), and apart
+        those whose only change is one block appended."""
         changed, self._changed = self._changed, set()
-        return changed
+        appended, self._appended = self._appended, set()
+        return TableChanges(changed, appended - changed)
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (a no-op if it holds none). Full blocks stay
