@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine import plain_decodes
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.runner import ModelRunner, build_batch_inputs
 from kvrelay.engine.step_upload import StepUploader
@@ -107,31 +108,38 @@ def test_the_decode_path_gives_the_host_paths_tokens(
     assert replays > 5  # the pure decode steps
 
 
-def test_the_decode_paths_inputs_equal_the_host_built_ones(make_engine: EngineFactory) -> None:
+def test_the_decode_paths_inputs_equal_the_host_built_ones(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each pure decode step's tensors, checked against `build_batch_inputs` on the same
     chunks and the KV cache's own tables: tokens, positions, slots, lengths, and the block
-    tables exactly, padding zeros included."""
+    tables exactly, padding zeros included; decodes opening a block among them (their one
+    new entry written alone: `take_changed().appended`)."""
+    monkeypatch.setattr(plain_decodes, "MIN_ROWS", 1)  # openings taken for the whole batch
     engine = make_engine(num_blocks=24, max_num_batched_tokens=16)
     graphs = _decode_path(engine)
     expected: list[Any] = []
+    openings: list[str] = []  # decodes that opened a block (one entry written for each)
     execute_decodes = engine.runner.execute_decodes
     uploader = engine.runner.uploader
     assert uploader is not None
 
     def checked(
-        chunks: Any, table_of: Any, changed: Any, copies: Any = (), feed: Any = None
-    ) -> Any:
+        chunks: Any, table_of: Any, changed: Any, copies: Any = (), feed: Any = None,
+        appended: Any = frozenset(),
+    ) -> Any:  # fmt: skip
         tables = [table_of(c.request.request_id) for c in chunks]
         expected.append(build_batch_inputs(chunks, tables, engine.runner.block_size))
         before = uploader.stager.uploads
-        result = execute_decodes(chunks, table_of, changed, copies, feed)
+        openings.extend(appended)
+        result = execute_decodes(chunks, table_of, changed, copies, feed, appended)
         assert uploader.stager.uploads == before + 1  # copy-on-write pairs in the same copy
         return result
 
     engine.runner.execute_decodes = checked  # type: ignore[method-assign]
     _requests(engine)
     run_to_completion(engine)
-    assert len(expected) == len(graphs.seen) > 10
+    assert len(expected) == len(graphs.seen) > 10 and openings
     for host, seen in zip(expected, graphs.seen, strict=True):
         assert torch.equal(seen["input_ids"], host.input_ids)
         assert torch.equal(seen["positions"], host.positions)
@@ -178,10 +186,11 @@ def test_copy_on_write_pairs_go_up_with_a_decode_step(make_engine: EngineFactory
     execute_decodes = engine.runner.execute_decodes
 
     def recorded(
-        chunks: Any, table_of: Any, changed: Any, copies: Any = (), feed: Any = None
-    ) -> Any:
+        chunks: Any, table_of: Any, changed: Any, copies: Any = (), feed: Any = None,
+        appended: Any = frozenset(),
+    ) -> Any:  # fmt: skip
         seen.extend(copies)
-        return execute_decodes(chunks, table_of, changed, copies, feed)
+        return execute_decodes(chunks, table_of, changed, copies, feed, appended)
 
     engine.runner.execute_decodes = recorded  # type: ignore[method-assign]
     engine.add_request("pair", [5] * 10, params)

@@ -96,8 +96,7 @@ class Engine:
         # Requests finished outside a step (a failed hand-off, a stop at the handed-off first
         # token): the next `step` returns their final outputs.
         self._finished_outside_step: dict[str, ParentRequest] = {}
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        self._prompt_tokens = self._generation_tokens = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
             num_blocks,

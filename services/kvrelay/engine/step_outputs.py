@@ -66,6 +66,20 @@ def append_sampled(
         and steady.append(requests, token_ids, logprobs, owner, rows)
     ):
         return {}, len(requests)
+    return _append_each(requests, token_ids, logprobs, owner, slow, finish, fast, rows)
+
+
+def _append_each(
+    requests: Sequence[Request],
+    token_ids: Sequence[int],
+    logprobs: Sequence[SampleLogprobs | None],
+    owner: Mapping[str, tuple[ParentRequest, int]],
+    slow: SlowPath,
+    finish: Finish,
+    fast: bool,
+    rows: Rows | None,
+) -> tuple[dict[str, ParentRequest], int]:
+    """`append_sampled` request by request."""
     touched: dict[str, ParentRequest] = {}
     appended = 0
     for request, token_id, sample_logprobs in zip(requests, token_ids, logprobs, strict=True):
