@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvrelay.engine.args import EngineArgs
+from kvrelay.worker import memory_probe
 from kvrelay.worker.actor import EngineWorker
 from kvrelay.worker.memory_probe import (
     PROBE_ENV,
@@ -95,6 +98,19 @@ def test_a_worker_writes_its_probe_lines(
     written = len(_lines(path))
     time.sleep(0.5)
     assert len(_lines(path)) == written
+
+
+def test_a_failed_census_says_so_and_leaves_the_threads_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(top: int) -> Any:
+        raise ValueError("unreadable")
+
+    interval = sys.getswitchinterval()
+    monkeypatch.setattr(memory_probe, "_census", broken)
+    with pytest.raises(RuntimeError, match="object census failed: ValueError"):
+        object_census()
+    assert sys.getswitchinterval() == interval
 
 
 def test_a_census_never_breaks_a_tuple_another_thread_is_building() -> None:

@@ -93,7 +93,12 @@ def object_census(top: int = 15) -> dict[str, Any]:
     (engine_builder.freeze_start_up_objects), so there it counts what came after: what a
     leak would add to. Other threads are paused meanwhile (`_other_threads_paused`)."""
     with _CENSUS_LOCK, _other_threads_paused():
-        return _census(top)  # its frame, and every reference it took, is gone on return
+        try:
+            return _census(top)  # its frame, and every reference it took, is gone on return
+        except Exception as exc:
+            # The traceback holds the census's frame (the object list): dropped while paused.
+            failure = repr(exc)
+    raise RuntimeError(f"object census failed: {failure}")
 
 
 def _census(top: int) -> dict[str, Any]:
