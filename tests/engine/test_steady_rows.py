@@ -121,6 +121,25 @@ def test_a_request_sampling_its_first_token_joins_the_steady_way_the_step_after(
     assert [r.output_token_ids for r in side.requests] == [[10, 13], [11, 14], [12, 15]]
 
 
+@pytest.mark.parametrize("size", [1, 3])
+def test_an_empty_step_after_a_steady_one_appends_nothing(size: int) -> None:
+    """A step that scheduled nothing (a grammar compiling, say) samples no request: no row,
+    whatever batch was remembered (a remembered batch of one once gave its id a row with no
+    token, and the worker's loop died on the two lists' lengths)."""
+    steady = SteadyRows()
+    side = Side(steady)
+    for index in range(size):
+        side.join(index, 100)
+    for token in range(20, 23):
+        side.step([token] * size, [None] * size)
+    assert steady.steps == 2
+    rows: tuple[list[str], list[int]] = ([], [])
+    touched, appended = append_sampled(
+        [], [], [], side.owner, slow=side.slow, finish=side.finish, rows=rows, steady=steady
+    )
+    assert rows == ([], []) and touched == {} and appended == 0 and steady.steps == 2
+
+
 def test_a_batch_with_a_detokenized_request_never_takes_the_steady_way() -> None:
     steady = SteadyRows()
     side = Side(steady)

@@ -149,6 +149,8 @@ class SteadyRows:
         """Append `token_ids` to `requests` and to `rows` if the batch is steady and nothing
         in it can stop; False, having changed nothing, otherwise."""
         n = len(requests)
+        if not n:  # an empty step (nothing scheduled) is no batch: `_batch` may be [] too
+            return False
         if requests != self._batch and not self._remember(requests, owner):  # identity, in C
             return False
         if logprobs.count(None) != n or list(map(_STATUS, requests)).count(_RUNNING) != n:
