@@ -135,10 +135,9 @@ class DeviceBlockTable:
         new_ids, self._new_ids = self._new_ids, []
         stale = [r for r in dict.fromkeys((*changed, *new_ids)) if r in row_of]
         writes = []
-        grown = [r for r in appended if r in row_of and r not in changed]
-        if grown and new_ids:
-            placed = set(new_ids)  # a row given now holds nothing of its table yet
-            grown = [r for r in grown if r not in placed]
+        # Not those rewritten anyway (a row given now holds nothing of its table yet).
+        rewritten = set(stale) if appended and stale else ()
+        grown = [r for r in appended if r in row_of and r not in rewritten]
         if grown:
             written = self._append(grown, table_of)
             if written is None:  # not as told: compared and rewritten instead
