@@ -134,7 +134,12 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
 
         batch = await completion_batch(router, body, make)  # one request per prompt
         fmt = OpenAIFormatter(
-            batch.request_id, router.model.id, False, tokenizer, body.logprobs or 0
+            batch.request_id,
+            router.model.id,
+            False,
+            tokenizer,
+            body.logprobs or 0,
+            token_ids=batch.prompt_ids if body.return_token_ids else None,
         )
         return await _respond(request, body, batch, fmt, body.logprobs is not None)
 
@@ -154,6 +159,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         fields = body.sampling_fields(body.output_limit, body.num_logprobs)
         tools.constrain(fields, names)
         greq = _request(body, ids, text, fields, body.output_limit, names, request)
+        batch = PromptBatch(router, [greq])
         fmt = OpenAIFormatter(
             greq.request_id,
             router.model.id,
@@ -161,8 +167,9 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
             tokenizer,
             body.top_logprobs or 0,
             tool_call_parsers(tools),
+            batch.prompt_ids if body.return_token_ids else None,
         )
-        return await _respond(request, body, PromptBatch(router, [greq]), fmt, body.logprobs)
+        return await _respond(request, body, batch, fmt, body.logprobs)
 
 
 def _request(

@@ -6,6 +6,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.api.tool_calls import ToolCallParser
@@ -37,6 +38,19 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     return body
 
 
+@dataclass(frozen=True)
+class PromptIds:
+    """vLLM's `return_token_ids`: each prompt's token ids (choice i belongs to prompt i // n).
+    A completion choice carries its prompt's ids, a chat response carries them once; every
+    choice (and streamed chunk) carries the token ids it generated."""
+
+    prompts: list[list[int]]
+    n: int
+
+    def of(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
+
+
 class OpenAIFormatter:
     """Formats one request's chunks for `/v1/completions` (chat=False) or
     `/v1/chat/completions` (chat=True)."""
@@ -49,8 +63,10 @@ class OpenAIFormatter:
         tokenizer: Any,
         top_logprobs: int = 0,
         tool_parsers: Callable[[], ToolCallParser] | None = None,
+        token_ids: PromptIds | None = None,
     ) -> None:
         self.top_logprobs = top_logprobs  # how many alternatives to show per token
+        self.token_ids = token_ids  # None unless the request set return_token_ids
         # Chat with tools: a tool-call parser per choice (kvrelay.api.tool_call_parsers).
         self._tool_parsers = tool_parsers
         self._parsers: dict[int, ToolCallParser] = {}
@@ -78,6 +94,8 @@ class OpenAIFormatter:
         }
         if whole.usage is not None:
             body["usage"] = usage_body(whole.usage)
+        if self.chat and self.token_ids is not None:
+            body["prompt_token_ids"] = self.token_ids.of(0)
         return body
 
     def _whole_choice(self, choice: ChoiceDelta, want_logprobs: bool) -> dict[str, Any]:
@@ -95,7 +113,17 @@ class OpenAIFormatter:
         else:
             out["text"] = choice.text
         out.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=choice.stop_reason)
+        self._add_token_ids(out, choice, first=True)
         return out
+
+    def _add_token_ids(self, out: dict[str, Any], choice: ChoiceDelta, first: bool) -> None:
+        """With return_token_ids: the choice's generated ids, and on a completion choice's
+        first appearance its prompt's ids (chat sends those once, beside the choices)."""
+        if self.token_ids is None:
+            return
+        out["token_ids"] = list(choice.token_ids)
+        if first and not self.chat:
+            out["prompt_token_ids"] = self.token_ids.of(choice.index)
 
     # -- streamed responses --
 
@@ -112,6 +140,7 @@ class OpenAIFormatter:
         started: set[int] = set()
         offsets: dict[int, int] = {}
         generated = 0
+        prompt_ids_sent = False  # chat's prompt_token_ids go out in the first chunk
         try:
             async for chunk in chunks:
                 choices = [
@@ -122,7 +151,8 @@ class OpenAIFormatter:
                 if running_usage is not None:
                     so_far = Usage(running_usage, generated)
                 if choices:
-                    yield self._event(choices, so_far)
+                    yield self._event(choices, so_far, prompt_ids_sent)
+                    prompt_ids_sent = True
                 if chunk.usage is not None and include_usage:
                     yield self._event([], chunk.usage)
         except RouterError as exc:
@@ -133,7 +163,12 @@ class OpenAIFormatter:
             yield f"data: {json.dumps(error_body(message, 'internal_error', 500))}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _event(self, choices: list[dict[str, Any]], usage: Usage | bool | None) -> str:
+    def _event(
+        self,
+        choices: list[dict[str, Any]],
+        usage: Usage | bool | None,
+        prompt_ids_sent: bool = True,
+    ) -> str:
         body: dict[str, Any] = {
             "id": self.id,
             "object": f"{self._object}.chunk" if self.chat else self._object,
@@ -141,6 +176,8 @@ class OpenAIFormatter:
             "model": self.model,
             "choices": choices,
         }
+        if self.chat and self.token_ids is not None and not prompt_ids_sent:
+            body["prompt_token_ids"] = self.token_ids.of(0)
         if usage is not None:  # False: usage asked for, comes later (OpenAI sends null)
             body["usage"] = usage_body(usage) if isinstance(usage, Usage) else None
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -152,6 +189,7 @@ class OpenAIFormatter:
         offsets: dict[int, int],
         want_logprobs: bool,
     ) -> dict[str, Any]:
+        first = delta.index not in offsets
         offset = offsets.get(delta.index, 0)
         offsets[delta.index] = offset + len(delta.text)
         logprobs = self._logprobs(delta.logprobs or [], offset) if want_logprobs else None
@@ -168,6 +206,7 @@ class OpenAIFormatter:
         else:
             out["text"] = delta.text
         out.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason)
+        self._add_token_ids(out, delta, first)
         return out
 
     def _tool_delta(self, delta: ChoiceDelta) -> tuple[dict[str, Any], str | None]:

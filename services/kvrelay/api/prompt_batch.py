@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.api.openai_format import PromptIds
 from kvrelay.api.openai_protocol import CompletionRequest
 from kvrelay.common.messages import PromptLogprob
 from kvrelay.common.sampling_params import check_vocab
@@ -68,6 +69,11 @@ class PromptBatch:
     @property
     def num_choices(self) -> int:
         return len(self.requests) * self.n
+
+    @property
+    def prompt_ids(self) -> PromptIds:
+        """Each prompt's token ids, for return_token_ids."""
+        return PromptIds([list(r.prompt_token_ids) for r in self.requests], self.n)
 
     @property
     def num_prompt_tokens(self) -> int:
