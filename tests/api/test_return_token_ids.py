@@ -2,11 +2,13 @@
 on loopback: a completion choice carries its prompt's ids (`prompt_token_ids`) and the ids it
 generated (`token_ids`); a chat response carries the prompt's ids once, beside its choices.
 Streamed, the prompt's ids come with a choice's (completions) or the response's (chat) first
-chunk and each chunk's `token_ids` are the ids it adds. Without the field nothing changes."""
+chunk and each chunk's `token_ids` are the ids it adds. Without the field nothing changes.
+And `return_tokens_as_token_ids`: logprobs name their tokens "token_id:N"."""
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -141,3 +143,52 @@ def test_without_the_field_no_ids_are_added(
         model=kvrelay_server.model, messages=CHAT, max_tokens=2, temperature=0
     )
     assert extra(chat, "prompt_token_ids") is None and extra(chat.choices[0], "token_ids") is None
+
+
+def as_id(token: str) -> int:
+    match = re.fullmatch(r"token_id:(\d+)", token)
+    assert match, token
+    return int(match.group(1))
+
+
+def test_completion_logprobs_name_tokens_by_id(client: openai.OpenAI) -> None:
+    both = {**IDS, "return_tokens_as_token_ids": True}
+    choice = complete(client, SHORT, logprobs=2, echo=True, extra_body=both).choices[0]
+    plain = complete(client, SHORT, logprobs=2, echo=True).choices[0]
+    assert choice.logprobs is not None and plain.logprobs is not None
+    ids = [as_id(t) for t in choice.logprobs.tokens or []]
+    assert ids == [*extra(choice, "prompt_token_ids"), *extra(choice, "token_ids")]
+    assert choice.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    generated_from = len(extra(choice, "prompt_token_ids"))
+    for position, (token, top, plain_top) in enumerate(
+        zip(
+            choice.logprobs.tokens or [],
+            choice.logprobs.top_logprobs or [],
+            plain.logprobs.top_logprobs or [],
+            strict=True,
+        )
+    ):
+        if top is None:  # the echoed first token: nothing before it to score it by
+            continue
+        assert len(top) == len(plain_top)
+        assert sorted(top.values()) == sorted(plain_top.values())
+        assert all(as_id(key) >= 0 for key in top)
+        if position >= generated_from:  # greedy: a generated token is its step's best
+            assert token in top
+
+
+def test_chat_logprobs_name_tokens_by_id(
+    kvrelay_server: ServerProcess, client: openai.OpenAI
+) -> None:
+    reply = client.chat.completions.create(
+        model=kvrelay_server.model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={**IDS, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert [as_id(e.token) for e in entries] == extra(choice, "token_ids")
+    for entry in entries:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert all(as_id(top.token) >= 0 for top in entry.top_logprobs)

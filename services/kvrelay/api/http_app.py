@@ -140,6 +140,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
             tokenizer,
             body.logprobs or 0,
             token_ids=batch.prompt_ids if body.return_token_ids else None,
+            ids_as_tokens=body.return_tokens_as_token_ids,
         )
         return await _respond(request, body, batch, fmt, body.logprobs is not None)
 
@@ -168,6 +169,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
             body.top_logprobs or 0,
             tool_call_parsers(tools),
             batch.prompt_ids if body.return_token_ids else None,
+            body.return_tokens_as_token_ids,
         )
         return await _respond(request, body, batch, fmt, body.logprobs)
 

@@ -64,9 +64,13 @@ class OpenAIFormatter:
         top_logprobs: int = 0,
         tool_parsers: Callable[[], ToolCallParser] | None = None,
         token_ids: PromptIds | None = None,
+        ids_as_tokens: bool = False,
     ) -> None:
         self.top_logprobs = top_logprobs  # how many alternatives to show per token
         self.token_ids = token_ids  # None unless the request set return_token_ids
+        # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", which stay
+        # apart where two ids decode to the same text (or to no valid UTF-8 alone).
+        self.ids_as_tokens = ids_as_tokens
         # Chat with tools: a tool-call parser per choice (kvrelay.api.tool_call_parsers).
         self._tool_parsers = tool_parsers
         self._parsers: dict[int, ToolCallParser] = {}
@@ -229,6 +233,8 @@ class OpenAIFormatter:
     # -- logprobs --
 
     def _token(self, token_id: int) -> str:
+        if self.ids_as_tokens:
+            return f"token_id:{token_id}"
         return str(self._tokenizer.decode([token_id]))
 
     def _logprobs(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:

@@ -100,6 +100,7 @@ class _Sampling(StructuredFields):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top k
     priority: int = 0  # vLLM's: lower first among the sender's waiting requests
     return_token_ids: bool = False  # vLLM's: prompt and output token ids beside the text
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
 
     def check_priority(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
