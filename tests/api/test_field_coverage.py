@@ -169,7 +169,7 @@ IMPLEMENTED = {
     "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
     "min_tokens", "skip_special_tokens", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_json_object", "guided_decoding_backend", "prompt_logprobs",
-    "priority", "return_token_ids", "return_tokens_as_token_ids",
+    "priority", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens",
 }  # fmt: skip
 IMPLEMENTED_CHAT = {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                     "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",

@@ -22,7 +22,7 @@ from kvrelay.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvrelay.api.prompt_batch import PromptBatch, completion_batch
 from kvrelay.api.tokenizer_routes import add_tokenizer_routes
 from kvrelay.api.tool_call_parsers import tool_call_parsers
-from kvrelay.router.prompts import chat_messages, sampling_params
+from kvrelay.router.prompts import chat_messages, sampling_params, truncated_prompt
 from kvrelay.router.router import Router
 from kvrelay.router.template_kwargs import template_kwargs
 from kvrelay.router.types import GenerateChunk, GenerateRequest, new_request_id
@@ -150,12 +150,15 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         router.check_model(body.model)
         tools = body.tool_plan()
         messages = chat_messages(body.template_messages(), tools=True)
-        text, ids = await router.encoder.render_chat(
+        rendered, ids = await router.encoder.render_chat(
             messages,
             body.add_generation_prompt,
             tools.template_tools(),
             template_kwargs(body.chat_template_kwargs),
         )
+        kept = truncated_prompt(ids, body.truncate_prompt_tokens, router.model.max_model_len)
+        text = rendered if len(kept) == len(ids) else None  # None: not the text that runs
+        ids = kept
         names = body.field_names
         fields = body.sampling_fields(body.output_limit, body.num_logprobs)
         tools.constrain(fields, names)

@@ -101,6 +101,7 @@ class _Sampling(StructuredFields):
     priority: int = 0  # vLLM's: lower first among the sender's waiting requests
     return_token_ids: bool = False  # vLLM's: prompt and output token ids beside the text
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
 
     def check_priority(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:

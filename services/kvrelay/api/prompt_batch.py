@@ -20,7 +20,7 @@ from kvrelay.api.openai_format import PromptIds
 from kvrelay.api.openai_protocol import CompletionRequest
 from kvrelay.common.messages import PromptLogprob
 from kvrelay.common.sampling_params import check_vocab
-from kvrelay.router.prompts import prompt_token_ids
+from kvrelay.router.prompts import prompt_token_ids, truncated_prompt
 from kvrelay.router.request_errors import InvalidRequestError
 from kvrelay.router.router import Router
 from kvrelay.router.types import ChoiceDelta, GenerateChunk, GenerateRequest, TokenLogprob, Usage
@@ -282,6 +282,9 @@ async def completion_batch(
     for index, prompt in enumerate(prompts):
         param = f"prompt.{index}" if listed else "prompt"
         text, ids = await _encode(router, prompt, param)
+        kept = truncated_prompt(ids, body.truncate_prompt_tokens, router.model.max_model_len)
+        if len(kept) < len(ids):  # echo shows the prompt that ran
+            text, ids = None, kept
         if body.echo:
             texts.append(text if text is not None else _decode(router, ids, param))
         names = {**body.field_names, "prompt": param}

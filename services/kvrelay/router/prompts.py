@@ -49,6 +49,26 @@ def sampling_params(
         raise InvalidRequestError(message, wire) from exc
 
 
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the context
+    length's worth); None keeps it whole. A prompt so cut must still leave room for its output
+    (Router.check_request says so)."""
+    if keep is None:
+        return ids
+    param = "truncate_prompt_tokens"
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise InvalidRequestError(f"{param} must be -1 or at least 1, got {keep}", param)
+    if keep > max_model_len:
+        raise InvalidRequestError(
+            f"{param}={keep} is more than this model's context length of {max_model_len} "
+            "tokens: use -1 for the whole context",
+            param,
+        )
+    return ids[-keep:]
+
+
 def check_text(text: str, param: str) -> str:
     """Refuse text that is not valid Unicode (a lone surrogate from a JSON escape such as
     "\\ud800"): the tokenizer cannot encode it, and it must not reach the engine."""
