@@ -179,6 +179,32 @@ def test_n_samples_follow_the_one_fan_out_rule(make_engine: EngineFactory) -> No
     assert_pool_whole(engine)
 
 
+def test_allowed_token_ids_hold_their_request_alone(make_engine: EngineFactory) -> None:
+    """Greedy and hot samples keep to their allowed ids; the batch's other requests give
+    exactly the tokens they give alone. An allowed id outside the vocabulary is refused."""
+    batch = prompts(3, seed=5)
+    alone = make_engine()
+    for i, prompt in enumerate(batch):
+        alone.add_request(f"r{i}", prompt, greedy(6))
+    expected = run_to_completion(alone)
+    engine = make_engine()
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, greedy(6))
+    allowed = [7, 19, 23]
+    engine.add_request(
+        "kept", batch[0], SamplingParams.greedy(max_tokens=6, allowed_token_ids=allowed)
+    )
+    hot = SamplingParams(temperature=3.0, seed=1, max_tokens=12, allowed_token_ids=allowed)
+    engine.add_request("hot", batch[1], hot)
+    with pytest.raises(ValueError, match=rf"allowed_token_ids: .* must be in \[0, {TINY_VOCAB}\)"):
+        engine.add_request("bad", [3], SamplingParams(allowed_token_ids=[1, TINY_VOCAB]))
+    done = run_to_completion(engine)
+    assert set(done["kept"][0]) <= set(allowed) and len(done["kept"][0]) == 6
+    assert set(done["hot"][0]) <= set(allowed) and len(set(done["hot"][0])) > 1
+    assert {rid: done[rid] for rid in expected} == expected
+    assert_pool_whole(engine)
+
+
 def test_logit_bias_steers_its_request_alone(make_engine: EngineFactory) -> None:
     """A +100 bias makes greedy pick that token every step; the batch's other requests give
     exactly the tokens they give alone. A bias id outside the vocabulary is refused."""

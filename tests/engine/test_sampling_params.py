@@ -96,6 +96,12 @@ INVALID: list[tuple[str, Any, str]] = [
     ("logit_bias", [(1, 1.0, 3)], "map token ids"),
     ("logit_bias", "1:1", "list or tuple"),
     ("logit_bias", {i: 1.0 for i in range(1025)}, "at most 1024"),
+    ("allowed_token_ids", [], "at least one token"),
+    ("allowed_token_ids", [3, -1], "non-negative"),
+    ("allowed_token_ids", [1.5], "int"),
+    ("allowed_token_ids", [True], "int"),
+    ("allowed_token_ids", [2**63], "64-bit"),
+    ("allowed_token_ids", 5, "list or tuple"),
 ]
 
 
@@ -171,6 +177,12 @@ def test_normalisation_and_immutability() -> None:
     assert hash(p) == hash(SamplingParams(temperature=0.0, stop_token_ids=(3, 4), stop=["END"]))
     with pytest.raises(AttributeError):
         p.temperature = 1.0  # type: ignore[misc]
+
+
+def test_allowed_token_ids_are_stored_sorted_once() -> None:
+    assert SamplingParams(allowed_token_ids=[9, 3, 9, 4]).allowed_token_ids == (3, 4, 9)
+    assert SamplingParams().allowed_token_ids is None
+    assert SamplingParams(allowed_token_ids=(7,)) == SamplingParams(allowed_token_ids=[7, 7])
 
 
 def test_logit_bias_is_stored_as_sorted_pairs() -> None:

@@ -99,10 +99,14 @@ def fake_sampling(engine: Engine) -> None:
 
 
 def add_mixed_requests(engine: Engine) -> None:
-    """Greedy, random with every truncation, penalties with logprobs and logit_bias, two
-    samples of one prompt; one prompt long enough to be prefilled in chunks while the others
-    decode."""
-    engine.add_request("short", [4, 5, 6], _params(temperature=0.8, top_p=0.9, top_k=5, seed=1))
+    """Greedy, random with every truncation and allowed tokens, penalties with logprobs and
+    logit_bias, two samples of one prompt; one prompt long enough to be prefilled in chunks
+    while the others decode."""
+    engine.add_request(
+        "short",
+        [4, 5, 6],
+        _params(temperature=0.8, top_p=0.9, top_k=5, seed=1, allowed_token_ids=[4, 7, 11, 30]),
+    )
     engine.add_request(
         "penalised",
         [9] * 6,

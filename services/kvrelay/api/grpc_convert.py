@@ -49,6 +49,7 @@ _FIELD_NAMES = {
         "ignore_eos",
         "skip_special_tokens",
         "logit_bias",
+        "allowed_token_ids",
     )
 }
 MAX_LABEL_CHARS = 256
@@ -69,6 +70,7 @@ async def to_request(
     fields["stop_token_ids"] = list(options.stop_token_ids)
     fields["ignore_eos"] = options.ignore_eos
     fields["logit_bias"] = dict(options.logit_bias)
+    fields["allowed_token_ids"] = list(options.allowed_token_ids) or None  # empty: any token
     fields["structured_outputs"], param = _constraint(options)
     if param is not None:
         names["structured_outputs"] = param

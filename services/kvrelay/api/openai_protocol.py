@@ -102,6 +102,7 @@ class _Sampling(StructuredFields):
     return_token_ids: bool = False  # vLLM's: prompt and output token ids beside the text
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
 
     def check_priority(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
@@ -140,6 +141,7 @@ class _Sampling(StructuredFields):
             "logit_bias": token_biases(self.logit_bias),
             "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": self.output_constraint,
+            "allowed_token_ids": self.allowed_token_ids,
         }
 
     @property

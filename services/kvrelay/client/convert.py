@@ -51,7 +51,7 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
-_LIST_FIELDS = ("stop", "stop_token_ids")
+_LIST_FIELDS = ("stop", "stop_token_ids", "allowed_token_ids")
 _MAP_FIELDS = ("logit_bias",)
 SAMPLING_FIELDS: frozenset[str] = frozenset(
     _UINT_FIELDS
@@ -143,9 +143,11 @@ def sampling_options(sampling: Mapping[str, Any]) -> pb.SamplingOptions:
                 raise InvalidArgumentError(f"logit_bias must be a dict, got {value!r}")
             for token, bias in value.items():
                 options.logit_bias[_int(name, token, 0, _UINT32_MAX)] = _float(name, bias)
-        else:  # stop_token_ids
+        else:  # stop_token_ids, allowed_token_ids
             ids = [_int(name, i, 0, _UINT32_MAX) for i in _sequence(name, value)]
-            options.stop_token_ids.extend(ids)
+            if name == "allowed_token_ids" and not ids:  # the wire's empty list allows all
+                raise InvalidArgumentError(f"{name} must name at least one token (None: any)")
+            getattr(options, name).extend(ids)
     return options
 
 

@@ -88,6 +88,9 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's logprob (and rank) plus the top k at its
     # position (None: not computed; a request that asks skips the prefix cache).
     prompt_logprobs: int | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (None: any). Stored sorted,
+    # each once.
+    allowed_token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         # Floats are normalised (an int 0 becomes 0.0) so equality and hashing behave.
@@ -114,6 +117,7 @@ class SamplingParams:
         )
         set_(self, "logit_bias", self._logit_bias())
         set_(self, "prompt_logprobs", self._prompt_logprobs())
+        set_(self, "allowed_token_ids", self._allowed_token_ids())
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputs
         ):
@@ -242,6 +246,17 @@ class SamplingParams:
                 raise ValueError(f"logit_bias names token {token} twice")
             biases[token] = bias
         return tuple(sorted(biases.items()))
+
+    def _allowed_token_ids(self) -> tuple[int, ...] | None:
+        if self.allowed_token_ids is None:
+            return None
+        ids = _as_tuple("allowed_token_ids", self.allowed_token_ids)
+        if not ids:
+            raise ValueError("allowed_token_ids must name at least one token (None allows all)")
+        for i in ids:
+            if _check_int64("allowed_token_ids", i) < 0:
+                raise ValueError(f"allowed_token_ids must be non-negative ints, got {i}")
+        return tuple(sorted(set(ids)))
 
     # --- derived -----------------------------------------------------------------------------
 

@@ -219,6 +219,7 @@ class Engine:
             kv_capacity=self.num_blocks * self.kv_cache.block_size,
         )
         check_vocab("logit_bias", (token for token, _ in params.logit_bias), vocab)
+        check_vocab("allowed_token_ids", params.allowed_token_ids or (), vocab)
         parent = ParentRequest.fan_out(
             request_id,
             request.prompt,

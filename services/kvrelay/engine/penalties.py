@@ -62,6 +62,21 @@ def apply_logit_bias(
     logits.index_put_((r, t), v.to(logits.dtype), accumulate=True)
 
 
+def keep_only_tokens(
+    logits: torch.Tensor, allowed: Sequence[Sequence[int]], rows: torch.Tensor
+) -> None:
+    """logits[rows[i]] = -inf everywhere but at allowed[i]'s ids (vLLM's allowed_token_ids).
+    Costs a [len(rows), V] mask: only rows that ask for it pay."""
+    # logits: [S, V]; rows: [R] int64 on the logits' device
+    if not allowed:
+        return
+    local, toks = flatten_token_ids(allowed, range(len(allowed)), logits.shape[1], logits.device)
+    blocked = torch.ones(len(allowed), logits.shape[1], dtype=torch.bool, device=logits.device)
+    blocked.index_put_((local, toks), blocked.new_zeros(()))
+    kept = logits.index_select(0, rows).masked_fill_(blocked, float("-inf"))
+    logits.index_copy_(0, rows, kept)
+
+
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, toks: torch.Tensor) -> None:
     """Set logits[rows[j], toks[j]] = -inf (min_tokens: stop and EOS ids may not end the text)."""
     # logits: [S, V]; rows, toks: [T]

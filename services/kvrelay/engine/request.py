@@ -160,15 +160,16 @@ class Request:
 
     @functools.cached_property
     def plain_greedy(self) -> bool:
-        """Greedy with nothing applied before the argmax: no penalty, logit bias, logprobs
-        nor min_tokens (a grammar is the matcher's, checked apart: it comes and goes). The
-        runner samples a batch of only such requests without a row each (sampler.GreedyRows).
-        Kept: the params never change."""
+        """Greedy with nothing applied before the argmax: no penalty, logit bias, allowed
+        tokens, logprobs nor min_tokens (a grammar is the matcher's, checked apart: it comes
+        and goes). The runner samples a batch of only such requests without a row each
+        (sampler.GreedyRows). Kept: the params never change."""
         p = self.sampling_params
         return (
             p.is_greedy
             and not p.has_penalties
             and not p.logit_bias
+            and p.allowed_token_ids is None
             and p.logprobs is None
             and p.min_tokens == 0
         )

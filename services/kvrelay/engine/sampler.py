@@ -21,6 +21,7 @@ from kvrelay.engine.penalties import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
     flatten_token_ids,
+    keep_only_tokens,
     mask_tokens,
 )
 from kvrelay.engine.sampling_ops import argmax, sample_inverse_cdf, truncation_threshold
@@ -190,12 +191,15 @@ class Sampler:
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-        if not (min_rows or pen_rows or rand_rows or bias_rows):
+        kept_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if not (min_rows or pen_rows or rand_rows or bias_rows or kept_rows):
             # The hot path: greedy, no penalty: nothing to copy or modify.
             tokens = argmax(_fp32(logits))
         else:
             x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            # vLLM's order: the bias first, then the min_tokens mask and the penalties.
+            # vLLM's order: the allowed tokens and the bias first, then the min_tokens mask
+            # and the penalties.
+            self._keep_allowed(x, params, kept_rows)
             apply_logit_bias(x, [params[i].logit_bias for i in bias_rows], bias_rows)
             self._mask_min_tokens(x, rows, min_rows)
             self._penalise(x, rows, pen_rows)
@@ -212,6 +216,12 @@ class Sampler:
         if not idx:
             return idx, None
         return idx, logits[device_index(idx, logits.device)].float().log_softmax(dim=-1)  # [L, V]
+
+    @staticmethod
+    def _keep_allowed(x: torch.Tensor, params: Sequence[SamplingParams], idx: list[int]) -> None:
+        if idx:
+            allowed = [params[i].allowed_token_ids or () for i in idx]
+            keep_only_tokens(x, allowed, device_index(idx, x.device))
 
     @staticmethod
     def _mask_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:

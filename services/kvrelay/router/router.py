@@ -144,9 +144,14 @@ class Router:
         vocab = self._vocab_size
         if vocab is None:
             return
-        bias_name = request.param("logit_bias")
+        bias_name, allowed_name = request.param("logit_bias"), request.param("allowed_token_ids")
         bias_ids = (t for t, _ in request.params.logit_bias)
-        for name, ids in ((prompt, request.prompt_token_ids), (bias_name, bias_ids)):
+        allowed_ids = request.params.allowed_token_ids or ()
+        for name, ids in (
+            (prompt, request.prompt_token_ids),
+            (bias_name, bias_ids),
+            (allowed_name, allowed_ids),
+        ):
             try:
                 check_vocab(name, ids, vocab)
             except ValueError as exc:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvrelay/v1/generation.proto\x12\nkvrelay.v1\"\x80\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.kvrelay.v1.SamplingOptions\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\xe8\x05\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12>\n\nlogit_bias\x18\x11 \x03(\x0b\x32*.kvrelay.v1.SamplingOptions.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.kvrelay.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xae\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.StringListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x1c\n\nStringList\x12\x0e\n\x06values\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"\xaa\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"m\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x12.kvrelay.v1.Choice\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\x13\n\x11ListModelsRequest\"M\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x10\n\x08owned_by\x18\x04 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.kvrelay.v1.Model*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvrelay/v1/generation.proto\x12\nkvrelay.v1\"\x80\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.kvrelay.v1.SamplingOptions\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x83\x06\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12>\n\nlogit_bias\x18\x11 \x03(\x0b\x32*.kvrelay.v1.SamplingOptions.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.kvrelay.v1.StructuredOutputs\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xae\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.StringListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x1c\n\nStringList\x12\x0e\n\x06values\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"\xaa\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"m\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x12.kvrelay.v1.Choice\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\x13\n\x11ListModelsRequest\"M\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x10\n\x08owned_by\x18\x04 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.kvrelay.v1.Model*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2107
-  _globals['_FINISHREASON']._serialized_end=2227
+  _globals['_FINISHREASON']._serialized_start=2134
+  _globals['_FINISHREASON']._serialized_end=2254
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=300
   _globals['_TOKENIDS']._serialized_start=302
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=373
   _globals['_CHATMESSAGES']._serialized_end=430
   _globals['_SAMPLINGOPTIONS']._serialized_start=433
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1177
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=959
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1007
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1180
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1354
-  _globals['_STRINGLIST']._serialized_start=1356
-  _globals['_STRINGLIST']._serialized_end=1384
-  _globals['_TOPLOGPROB']._serialized_start=1386
-  _globals['_TOPLOGPROB']._serialized_end=1448
-  _globals['_TOKENLOGPROB']._serialized_start=1450
-  _globals['_TOKENLOGPROB']._serialized_end=1560
-  _globals['_CHOICE']._serialized_start=1563
-  _globals['_CHOICE']._serialized_end=1733
-  _globals['_USAGE']._serialized_start=1735
-  _globals['_USAGE']._serialized_end=1837
-  _globals['_GENERATERESPONSE']._serialized_start=1839
-  _globals['_GENERATERESPONSE']._serialized_end=1948
-  _globals['_LISTMODELSREQUEST']._serialized_start=1950
-  _globals['_LISTMODELSREQUEST']._serialized_end=1969
-  _globals['_MODEL']._serialized_start=1971
-  _globals['_MODEL']._serialized_end=2048
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2050
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2105
-  _globals['_GENERATION']._serialized_start=2230
-  _globals['_GENERATION']._serialized_end=2392
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1204
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=986
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1034
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1207
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1381
+  _globals['_STRINGLIST']._serialized_start=1383
+  _globals['_STRINGLIST']._serialized_end=1411
+  _globals['_TOPLOGPROB']._serialized_start=1413
+  _globals['_TOPLOGPROB']._serialized_end=1475
+  _globals['_TOKENLOGPROB']._serialized_start=1477
+  _globals['_TOKENLOGPROB']._serialized_end=1587
+  _globals['_CHOICE']._serialized_start=1590
+  _globals['_CHOICE']._serialized_end=1760
+  _globals['_USAGE']._serialized_start=1762
+  _globals['_USAGE']._serialized_end=1864
+  _globals['_GENERATERESPONSE']._serialized_start=1866
+  _globals['_GENERATERESPONSE']._serialized_end=1975
+  _globals['_LISTMODELSREQUEST']._serialized_start=1977
+  _globals['_LISTMODELSREQUEST']._serialized_end=1996
+  _globals['_MODEL']._serialized_start=1998
+  _globals['_MODEL']._serialized_end=2075
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2077
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2132
+  _globals['_GENERATION']._serialized_start=2257
+  _globals['_GENERATION']._serialized_end=2419
 # @@protoc_insertion_point(module_scope)
