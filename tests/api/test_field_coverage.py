@@ -170,7 +170,7 @@ IMPLEMENTED = {
     "min_tokens", "skip_special_tokens", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_json_object", "guided_decoding_backend", "prompt_logprobs",
     "priority", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens",
-    "allowed_token_ids",
+    "allowed_token_ids", "request_id",
 }  # fmt: skip
 IMPLEMENTED_CHAT = {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                     "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",

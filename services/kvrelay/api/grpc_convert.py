@@ -7,6 +7,7 @@ from typing import Any
 from kvrelay.common.structured_outputs import StructuredOutputs
 from kvrelay.router.prompts import (
     chat_messages,
+    client_label,
     output_constraint,
     prompt_token_ids,
     sampling_params,
@@ -52,7 +53,6 @@ _FIELD_NAMES = {
         "allowed_token_ids",
     )
 }
-MAX_LABEL_CHARS = 256
 
 
 async def to_request(
@@ -77,10 +77,7 @@ async def to_request(
     if not options.HasField("max_tokens"):
         fields["max_tokens"] = 16  # the proto's documented default
     priority = message.priority  # int32 on the wire: every value is in range
-    label = message.request_id or None
-    if label is not None and len(label) > MAX_LABEL_CHARS:
-        message = f"request_id is longer than {MAX_LABEL_CHARS} characters"
-        raise InvalidRequestError(message, "request_id")
+    label = client_label(message.request_id)
     return GenerateRequest(
         new_request_id(),
         ids,

@@ -22,7 +22,12 @@ from kvrelay.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvrelay.api.prompt_batch import PromptBatch, completion_batch
 from kvrelay.api.tokenizer_routes import add_tokenizer_routes
 from kvrelay.api.tool_call_parsers import tool_call_parsers
-from kvrelay.router.prompts import chat_messages, sampling_params, truncated_prompt
+from kvrelay.router.prompts import (
+    chat_messages,
+    client_label,
+    sampling_params,
+    truncated_prompt,
+)
 from kvrelay.router.router import Router
 from kvrelay.router.template_kwargs import template_kwargs
 from kvrelay.router.types import GenerateChunk, GenerateRequest, new_request_id
@@ -132,9 +137,10 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         ) -> GenerateRequest:
             return _request(body, ids, text, fields, body.max_tokens, names, request)
 
+        label = response_label(request, body)
         batch = await completion_batch(router, body, make)  # one request per prompt
         fmt = OpenAIFormatter(
-            batch.request_id,
+            label or batch.request_id,
             router.model.id,
             False,
             tokenizer,
@@ -148,6 +154,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check_supported()
         router.check_model(body.model)
+        label = response_label(request, body)
         tools = body.tool_plan()
         messages = chat_messages(body.template_messages(), tools=True)
         rendered, ids = await router.encoder.render_chat(
@@ -165,7 +172,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
         greq = _request(body, ids, text, fields, body.output_limit, names, request)
         batch = PromptBatch(router, [greq])
         fmt = OpenAIFormatter(
-            greq.request_id,
+            label or greq.request_id,
             router.model.id,
             True,
             tokenizer,
@@ -175,6 +182,15 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
             body.return_tokens_as_token_ids,
         )
         return await _respond(request, body, batch, fmt, body.logprobs)
+
+
+def response_label(http: Request, body: _Sampling) -> str | None:
+    """The client's own id for the response (vLLM's: the X-Request-Id header, else the body's
+    request_id), checked; never the request's key inside (router/types.py)."""
+    header = http.headers.get("x-request-id")
+    if header is not None:
+        return client_label(header, "X-Request-Id")
+    return client_label(body.request_id)
 
 
 def _request(

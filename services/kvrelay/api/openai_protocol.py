@@ -103,6 +103,7 @@ class _Sampling(StructuredFields):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    request_id: str | None = None  # vLLM's: the response's id is cmpl-/chatcmpl- + it
 
     def check_priority(self) -> None:
         if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:

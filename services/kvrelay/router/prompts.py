@@ -23,6 +23,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 # With tool calling (the HTTP API): a tool's result, and assistant messages' tool_calls.
 TOOL_CHAT_ROLES = (*CHAT_ROLES, "tool")
 MAX_NAME_CHARS = 256
+# A client's own request id (echoed back, never a key: router/types.py).
+MAX_LABEL_CHARS = 256
 
 
 def sampling_params(
@@ -67,6 +69,16 @@ def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> li
             param,
         )
     return ids[-keep:]
+
+
+def client_label(label: str | None, param: str = "request_id") -> str | None:
+    """A client's own request id, checked: at most MAX_LABEL_CHARS of valid Unicode (None or
+    empty: none sent)."""
+    if not label:
+        return None
+    if len(label) > MAX_LABEL_CHARS:
+        raise InvalidRequestError(f"{param} is longer than {MAX_LABEL_CHARS} characters", param)
+    return check_text(label, param)
 
 
 def check_text(text: str, param: str) -> str:
