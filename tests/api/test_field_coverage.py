@@ -170,7 +170,7 @@ IMPLEMENTED = {
     "min_tokens", "skip_special_tokens", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_json_object", "guided_decoding_backend", "prompt_logprobs",
     "priority", "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens",
-    "allowed_token_ids", "request_id",
+    "allowed_token_ids", "request_id", "add_special_tokens",
 }  # fmt: skip
 IMPLEMENTED_CHAT = {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                     "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
@@ -188,12 +188,11 @@ ACCEPTED_AT: dict[str, tuple[Any, Any]] = {
 }
 ACCEPTED_AT_BY_PATH: dict[str, dict[str, tuple[Any, Any]]] = {
     CHAT: {
-        "add_special_tokens": (False, True),
         "modalities": (["text"], ["text", "audio"]),
         "include_reasoning": (True, False),
         "continue_final_message": (False, True),
     },
-    COMPLETIONS: {"add_special_tokens": (True, False)},
+    COMPLETIONS: {},
 }
 
 

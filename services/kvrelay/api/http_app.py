@@ -162,6 +162,7 @@ def _add_generation_routes(app: FastAPI, router: Router, v1: list[Any]) -> None:
             body.add_generation_prompt,
             tools.template_tools(),
             template_kwargs(body.chat_template_kwargs),
+            body.add_special_tokens,
         )
         kept = truncated_prompt(ids, body.truncate_prompt_tokens, router.model.max_model_len)
         text = rendered if len(kept) == len(ids) else None  # None: not the text that runs

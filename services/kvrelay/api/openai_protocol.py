@@ -160,8 +160,8 @@ class _Sampling(StructuredFields):
 
 
 class CompletionRequest(_Sampling):
-    accepted_values: ClassVar[Accepted] = {**_ACCEPTED_VALUES, "add_special_tokens": (True,)}
     prompt: str | list[int] | list[str] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like (text prompts)
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -202,9 +202,9 @@ class ChatCompletionRequest(_Sampling):
         "modalities": (["text"],),
         "include_reasoning": (True,),  # this model writes no separate reasoning
         "continue_final_message": (False,),
-        "add_special_tokens": (False,),
     }
     messages: list[ChatMessage]
+    add_special_tokens: bool = False  # vLLM's: the template writes its own; true adds BOS too
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

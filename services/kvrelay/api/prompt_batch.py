@@ -281,7 +281,7 @@ async def completion_batch(
     requests, texts = [], []
     for index, prompt in enumerate(prompts):
         param = f"prompt.{index}" if listed else "prompt"
-        text, ids = await _encode(router, prompt, param)
+        text, ids = await _encode(router, prompt, param, body.add_special_tokens)
         kept = truncated_prompt(ids, body.truncate_prompt_tokens, router.model.max_model_len)
         if len(kept) < len(ids):  # echo shows the prompt that ran
             text, ids = None, kept
@@ -294,10 +294,10 @@ async def completion_batch(
 
 
 async def _encode(
-    router: Router, prompt: str | list[int], param: str
+    router: Router, prompt: str | list[int], param: str, add_special_tokens: bool
 ) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
-        return prompt, await router.encoder.encode(prompt, param)
+        return prompt, await router.encoder.encode(prompt, param, add_special_tokens)
     return None, prompt_token_ids(prompt, param)
 
 

@@ -18,6 +18,7 @@ from kvrelay import __version__
 from kvrelay.api.openai_body import RequestBody
 from kvrelay.api.openai_protocol import ChatMessage
 from kvrelay.common.sampling_params import check_vocab
+from kvrelay.router.prompt_encoder import encode_text
 from kvrelay.router.prompts import chat_messages, check_text
 from kvrelay.router.request_errors import InvalidRequestError
 from kvrelay.router.router import Router
@@ -65,7 +66,8 @@ def add_tokenizer_routes(app: FastAPI, router: Router, auth: list[Any]) -> None:
             request = _parse(TokenizeCompletionRequest, body)
             text = _checked(router, request.prompt, "prompt")
         router.check_model(request.model)
-        ids = await router.encoder.call(_encode, router.tokenizer, text, request.add_special_tokens)
+        tokenizer, special = router.tokenizer, request.add_special_tokens
+        ids = await router.encoder.call(encode_text, tokenizer, text, special)
         out: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": router.model.max_model_len,
@@ -147,7 +149,3 @@ def _continued(text: str, final: str) -> str:
             "messages",
         )
     return text[: end + len(final)]
-
-
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -36,13 +36,15 @@ class PromptEncoder:
         self.max_chars = max_model_len * _max_token_chars(tokenizer) * _NORMALISATION_MARGIN
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-tokenize")
 
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """`text`'s token ids (the tokenizer's special tokens added, as vLLM does)."""
+    async def encode(
+        self, text: str, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
+        """`text`'s token ids, the tokenizer's special tokens (BOS, ...) added unless
+        `add_special_tokens` is false (vLLM's default and field)."""
         self._check(text, param)
         if not text:
             raise InvalidRequestError("the prompt is empty", param)
-        encoded = await self._run(self.tokenizer, text)
-        return list(encoded["input_ids"])
+        return await self._run(encode_text, self.tokenizer, text, add_special_tokens)
 
     async def render_chat(
         self,
@@ -50,8 +52,11 @@ class PromptEncoder:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
         """The chat template applied to validated messages (prompts.chat_messages): (text, ids).
+        The template writes its own special tokens; `add_special_tokens` adds the tokenizer's
+        too (vLLM's field, default false).
         `tools` (OpenAI's shape) go to a template that reads them; for one that does not, the
         tools, calls and results are written into the turns (router.tool_messages).
         `variables`: extra template variables (checked by router.template_kwargs)."""
@@ -64,9 +69,10 @@ class PromptEncoder:
             )
         if not template_takes_tools(template) and (tools or needs_tool_rendering(messages)):
             messages, tools = hermes_messages(messages, tools), None
-        return await self._run(
+        text = await self._run(
             _render, self.tokenizer, list(messages), add_generation_prompt, tools, variables
         )
+        return text, await self._run(encode_text, self.tokenizer, text, add_special_tokens)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer's thread, for other code that reads the tokenizer."""
@@ -98,7 +104,7 @@ def _render(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     variables: dict[str, Any] | None = None,
-) -> tuple[str, list[int]]:
+) -> str:
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -110,8 +116,12 @@ def _render(
     except Exception as exc:  # a template's own raise_exception, e.g. roles out of order
         message = f"the chat template rejected the messages: {exc}"
         raise InvalidRequestError(message, "messages") from exc
-    # The template already holds every special token it wants.
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return str(text)
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """`text`'s token ids; the tokenizer's special tokens added when `add_special_tokens`."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def _max_token_chars(tokenizer: Any) -> int:
