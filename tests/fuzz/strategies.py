@@ -43,7 +43,8 @@ COMMON_FIELDS = (
     "model", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
     "stop", "stream", "stream_options", "user", "logit_bias", "top_k", "min_p", "min_tokens",
     "ignore_eos", "stop_token_ids", "repetition_penalty", "include_stop_str_in_output",
-    "skip_special_tokens", "max_tokens",
+    "skip_special_tokens", "max_tokens", "allowed_token_ids", "truncate_prompt_tokens",
+    "return_token_ids", "return_tokens_as_token_ids", "request_id", "add_special_tokens",
 )  # fmt: skip
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs", "echo", "suffix", "best_of")
 CHAT_FIELDS = (
