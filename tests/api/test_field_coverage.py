@@ -185,6 +185,7 @@ ACCEPTED_AT: dict[str, tuple[Any, Any]] = {
     "max_repetition_pattern_size": (0, 4),
     "min_repetition_pattern_size": (0, 2),
     "repetition_min_count": (0, 3),
+    "spaces_between_special_tokens": (True, False),
 }
 ACCEPTED_AT_BY_PATH: dict[str, dict[str, tuple[Any, Any]]] = {
     CHAT: {

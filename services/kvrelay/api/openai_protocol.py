@@ -66,6 +66,8 @@ _ACCEPTED_VALUES: Accepted = {
     "max_repetition_pattern_size": (0,),
     "min_repetition_pattern_size": (0,),
     "repetition_min_count": (0,),
+    # vLLM's default; its fast tokenizers' detokenizing (and ours) reads no other value
+    "spaces_between_special_tokens": (True,),
 }
 
 
