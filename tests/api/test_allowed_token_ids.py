@@ -20,11 +20,6 @@ MODEL = "SmolLM2-135M-Instruct"
 ALLOWED = [28, 29, 253, 30, 504]  # ",", "-", " a", ".", "The" in SmolLM2's vocabulary
 
 
-@pytest.fixture(scope="module")
-def client(kvrelay_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{kvrelay_server.http_url}/v1", api_key="unused", max_retries=0)
-
-
 def complete(client: openai.OpenAI, prompt: str, **extra_body: Any) -> Any:
     return client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=8, temperature=0,

@@ -14,7 +14,6 @@ from typing import Any
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 import kvrelay
 from tests.api.metrics import wait_for
@@ -26,16 +25,6 @@ KEY = "issue-39-key"
 SHORT = "The capital of France is"  # 5 tokens: decode-only
 LONG = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 CHAT = [{"role": "user", "content": "Name three colours."}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(kvrelay_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{kvrelay_server.http_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,10 @@ import openai
 import pytest
 
 from tests.api.test_return_token_ids import CHAT, LONG, SHORT
-from tests.servers import ServerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def client(kvrelay_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{kvrelay_server.http_url}/v1", api_key="unused", max_retries=0)
 
 
 def complete(client: openai.OpenAI, prompt: str, **kw: Any) -> Any:

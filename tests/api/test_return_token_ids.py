@@ -11,12 +11,10 @@ import json
 import re
 import urllib.request
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from tests.servers import ServerProcess
 
@@ -26,16 +24,6 @@ SHORT = "The capital of France is"  # decode-only on the P/D server
 LONG = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 CHAT = [{"role": "user", "content": "Name three colours."}]
 IDS = {"return_token_ids": True}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(kvrelay_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{kvrelay_server.http_url}/v1", api_key="unused", max_retries=0)
 
 
 def extra(obj: Any, name: str) -> Any:

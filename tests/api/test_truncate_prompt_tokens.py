@@ -4,12 +4,10 @@ all agree with sending those k tokens), on both endpoints; bad values are a 400 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from tests.api.test_return_token_ids import CHAT, LONG, extra, tokenized
 from tests.servers import ServerProcess
@@ -17,16 +15,6 @@ from tests.servers import ServerProcess
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(kvrelay_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{kvrelay_server.http_url}/v1", api_key="unused", max_retries=0)
 
 
 def complete(client: openai.OpenAI, prompt: Any, **extra_body: Any) -> Any:
