@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.engine import Engine
 from tests.engine.conftest import (
     TINY_VOCAB,
     EngineFactory,
@@ -179,10 +180,11 @@ def test_n_samples_follow_the_one_fan_out_rule(make_engine: EngineFactory) -> No
     assert_pool_whole(engine)
 
 
-def test_allowed_token_ids_hold_their_request_alone(make_engine: EngineFactory) -> None:
-    """Greedy and hot samples keep to their allowed ids; the batch's other requests give
-    exactly the tokens they give alone. An allowed id outside the vocabulary is refused."""
-    batch = prompts(3, seed=5)
+def greedy_beside(
+    make_engine: EngineFactory, batch: list[list[int]]
+) -> tuple[dict[str, list[list[int]]], Engine]:
+    """`batch`'s greedy tokens run alone (request ids r0, r1, ...), and an engine holding the
+    same requests, for a test to add its own beside them."""
     alone = make_engine()
     for i, prompt in enumerate(batch):
         alone.add_request(f"r{i}", prompt, greedy(6))
@@ -190,6 +192,14 @@ def test_allowed_token_ids_hold_their_request_alone(make_engine: EngineFactory) 
     engine = make_engine()
     for i, prompt in enumerate(batch):
         engine.add_request(f"r{i}", prompt, greedy(6))
+    return expected, engine
+
+
+def test_allowed_token_ids_hold_their_request_alone(make_engine: EngineFactory) -> None:
+    """Greedy and hot samples keep to their allowed ids; the batch's other requests give
+    exactly the tokens they give alone. An allowed id outside the vocabulary is refused."""
+    batch = prompts(3, seed=5)
+    expected, engine = greedy_beside(make_engine, batch)
     allowed = [7, 19, 23]
     engine.add_request(
         "kept", batch[0], SamplingParams.greedy(max_tokens=6, allowed_token_ids=allowed)
@@ -209,13 +219,7 @@ def test_logit_bias_steers_its_request_alone(make_engine: EngineFactory) -> None
     """A +100 bias makes greedy pick that token every step; the batch's other requests give
     exactly the tokens they give alone. A bias id outside the vocabulary is refused."""
     batch = prompts(3, seed=4)
-    alone = make_engine()
-    for i, prompt in enumerate(batch):
-        alone.add_request(f"r{i}", prompt, greedy(6))
-    expected = run_to_completion(alone)
-    engine = make_engine()
-    for i, prompt in enumerate(batch):
-        engine.add_request(f"r{i}", prompt, greedy(6))
+    expected, engine = greedy_beside(make_engine, batch)
     forced = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={17: 100.0})
     engine.add_request("forced", batch[0], forced)
     banned = {t: -100.0 for t in expected["r0"][0]}  # every token r0 chose, banned

@@ -69,10 +69,15 @@ class PromptEncoder:
             )
         if not template_takes_tools(template) and (tools or needs_tool_rendering(messages)):
             messages, tools = hermes_messages(messages, tools), None
-        text = await self._run(
-            _render, self.tokenizer, list(messages), add_generation_prompt, tools, variables
+        return await self._run(
+            _render,
+            self.tokenizer,
+            list(messages),
+            add_generation_prompt,
+            tools,
+            variables,
+            add_special_tokens,
         )
-        return text, await self._run(encode_text, self.tokenizer, text, add_special_tokens)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer's thread, for other code that reads the tokenizer."""
@@ -104,7 +109,9 @@ def _render(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     variables: dict[str, Any] | None = None,
-) -> str:
+    add_special_tokens: bool = False,
+) -> tuple[str, list[int]]:
+    """The template's text and its ids, in one trip to the tokenizer's thread."""
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -116,7 +123,7 @@ def _render(
     except Exception as exc:  # a template's own raise_exception, e.g. roles out of order
         message = f"the chat template rejected the messages: {exc}"
         raise InvalidRequestError(message, "messages") from exc
-    return str(text)
+    return text, encode_text(tokenizer, text, add_special_tokens)
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
